@@ -1,0 +1,681 @@
+"""The one config schema (RLinf's shape), its defaults, Hydra-style overrides and validation.
+
+Defaults equal RLinf's starting config (`qwen2.5-1.5b-grpo-pipeline-fsdp-sgl.yaml`) plus the
+two-Worker tutorial's overrides: 2 nodes x 2 GPUs, 2 steps, a checkpoint at step 2, seeds 1234.
+`load_config` returns a struct-mode `DictConfig`; `to_typed` turns it into the dataclasses below,
+whose `__post_init__` methods are the validation rules.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rlinf_twoworker.errors import ConfigError
+
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+COMPONENTS = ("rollout", "reward", "inference", "actor")
+# RLinf keys that exist in its YAML files but have no meaning here (other engines, Megatron
+# knobs, Hydra plumbing). They are dropped from a loaded file with a note instead of an error,
+# so RLinf's own config files load unchanged; any other unknown key is an error.
+IGNORED_RLINF_KEYS = (
+    "defaults",
+    "hydra",
+    "critic",
+    "runner.task_type",
+    "runner.logger",
+    "runner.max_epochs",
+    "runner.val_check_interval",
+    "runner.enable_dynamic_batch_size",
+    "runner.max_tokens_per_mbs",
+    "algorithm.rollout_batch_size_per_gpu",
+    "algorithm.val_rollout_batch_size_per_gpu",
+    "algorithm.shuffle_rollout",
+    "algorithm.max_num_gen_batches",
+    "algorithm.loss_type",
+    "algorithm.entropy_bonus",
+    "algorithm.calculate_entropy",
+    "algorithm.clip_ratio_c",
+    "algorithm.clip_ratio_low",
+    "algorithm.clip_ratio_high",
+    "algorithm.normalize_advantages",
+    "algorithm.early_stop_imp_ratio",
+    "algorithm.use_valid_token_scale",
+    "algorithm.sampling_params.repetition_penalty",
+    "algorithm.sampling_params.min_new_tokens",
+    "inference.group_name",
+    "inference.load_from_actor",
+    "inference.tokenizer",
+    "inference.fsdp_config",
+    "rollout.group_name",
+    "rollout.gpu_memory_utilization",
+    "rollout.enforce_eager",
+    "rollout.distributed_executor_backend",
+    "rollout.disable_log_stats",
+    "rollout.detokenize",
+    "rollout.padding",
+    "rollout.eos",
+    "rollout.rollout_backend",
+    "rollout.sglang",
+    "rollout.vllm",
+    "rollout.return_logprobs",
+    "rollout.tensor_parallel_size",
+    "rollout.pipeline_parallel_size",
+    "rollout.validate_weight",
+    "rollout.validate_save_dir",
+    "rollout.print_outputs",
+    "rollout.sglang_decode_log_interval",
+    "rollout.max_running_requests",
+    "rollout.cuda_graph_max_bs",
+    "rollout.use_torch_compile",
+    "rollout.torch_compile_max_bs",
+    "data.type",
+    "data.dataset_name",
+    "data.val_rollout_batch_size",
+    "data.num_workers",
+    "data.apply_chat_template",
+    "data.validation_shuffle",
+    "data.val_data_paths",
+    "actor.group_name",
+    "actor.training_backend",
+    "actor.enable_offload",
+    "actor.fsdp_config",
+    "actor.model.model_type",
+    "actor.model.add_bias_linear",
+    "actor.model.is_lora",
+    "actor.model.tensor_model_parallel_size",
+    "actor.model.pipeline_model_parallel_size",
+    "actor.model.activation",
+    "actor.model.sequence_parallel",
+    "actor.model.recompute_method",
+    "actor.model.recompute_granularity",
+    "actor.model.recompute_num_layers",
+    "actor.model.seq_length",
+    "actor.model.encoder_seq_length",
+    "actor.model.normalization",
+    "actor.model.position_embedding_type",
+    "actor.model.apply_rope_fusion",
+    "actor.model.bias_dropout_fusion",
+    "actor.model.persist_layer_norm",
+    "actor.model.bias_activation_fusion",
+    "actor.model.attention_softmax_in_fp32",
+    "actor.model.batch_p2p_comm",
+    "actor.model.variable_seq_lengths",
+    "actor.model.gradient_accumulation_fusion",
+    "actor.model.moe_token_dispatcher_type",
+    "actor.model.use_cpu_initialization",
+    "actor.optim.bf16",
+    "actor.optim.fp16",
+    "actor.optim.min_lr",
+    "actor.optim.use_distributed_optimizer",
+    "actor.optim.overlap_grad_reduce",
+    "actor.optim.overlap_param_gather",
+    "actor.optim.optimizer_enable_pin",
+    "actor.optim.overlap_param_gather_with_optimizer_step",
+    "actor.optim.loss_scale",
+    "actor.lr_sched.lr_warmup_fraction",
+    "actor.lr_sched.max_lr",
+    "actor.lr_sched.lr_decay_iters",
+    "reward.group_name",
+    "reward.use_reward_model",
+    "reward.tokenizer",
+    "rollout.model.model_type",
+    "inference.model.model_type",
+    "inference.model.is_lora",
+)
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _require(ok: bool, key: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ConfigError(key, value, rule)
+
+
+@dataclass(kw_only=True)
+class Timeouts:
+    placement_s: float = 120.0
+    """How long to wait for the placement group before failing with a per-node diagnostic."""
+    actor_start_s: float = 300.0
+    """How long a component may take to start and load its model."""
+    collective_s: float = 300.0
+    """Timeout of torch.distributed process groups (a stalled collective fails after this)."""
+    preflight_s: float = 300.0
+    """How long the per-node probes may take together."""
+    step_s: float = 3600.0
+    """Upper bound on one GRPO step (all stages)."""
+    checkpoint_s: float = 1800.0
+    """Upper bound on writing one checkpoint."""
+    failure_detection_s: float = 60.0
+    """A dead component fails the run within this many seconds."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "placement_s",
+            "actor_start_s",
+            "collective_s",
+            "preflight_s",
+            "step_s",
+            "checkpoint_s",
+            "failure_detection_s",
+        ):
+            value = getattr(self, name)
+            _require(value > 0, f"runner.timeouts.{name}", value, "must be > 0 seconds")
+
+
+@dataclass(kw_only=True)
+class PreflightConfig:
+    expected_gpu_model: str | None = None
+    """Substring the GPU name must contain on every node (for example 'H200'); None skips."""
+    expected_compute_capability: str | None = None
+    """For example '9.0'; None skips."""
+    require_nccl_ib_disable: bool = True
+    """Require NCCL_IB_DISABLE=1 on every node (plain-IP clusters without RDMA)."""
+    expected_python_prefix: str | None = None
+    """sys.prefix every node must have (the platform's Python environment); None skips."""
+    code_path: str | None = None
+    """A git checkout every node must have at `code_commit` with a clean tree; None skips."""
+    code_commit: str | None = None
+    required_modules: list[str] = field(
+        default_factory=lambda: ["torch", "transformers", "math_verify", "tensorboard"]
+    )
+    """Modules every node must import."""
+    check_collective: bool = True
+    """Run an all-reduce across the probes of all nodes before training."""
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    num_nodes: int = 2
+    """Ray nodes the placement group spreads over (one bundle each, STRICT_SPREAD)."""
+    num_gpus_per_node: int = 2
+    """GPUs (resource ranks) per node; resource rank r is node r // n, local GPU r % n."""
+    component_placement: dict[str, Any] = field(
+        default_factory=lambda: {"rollout": 0, "inference": 1, "actor": "2-3", "reward": 0}
+    )
+    """Component -> resource ranks: an int, 'a-b', 'a,b' (RLinf syntax)."""
+    accelerator: str = "cuda"
+    """'cuda' (NCCL) or 'cpu' (gloo; GPUs are logical Ray resources only)."""
+    cpus_per_bundle: int = 1
+    """CPUs each bundle reserves besides its GPUs."""
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.num_nodes >= 1, "cluster.num_nodes", self.num_nodes, "must be >= 1")
+        _require(
+            self.num_gpus_per_node >= 1,
+            "cluster.num_gpus_per_node",
+            self.num_gpus_per_node,
+            "must be >= 1",
+        )
+        _require(
+            self.accelerator in ("cuda", "cpu"),
+            "cluster.accelerator",
+            self.accelerator,
+            "must be 'cuda' or 'cpu'",
+        )
+        _require(
+            self.cpus_per_bundle >= 0,
+            "cluster.cpus_per_bundle",
+            self.cpus_per_bundle,
+            "must be >= 0",
+        )
+
+
+@dataclass(kw_only=True)
+class RunnerConfig:
+    experiment_name: str = "grpo-1.5b"
+    """The RUN_ID: the run directory is output_dir/experiment_name."""
+    output_dir: str = "./results"
+    """Parent of every run directory (on shared storage in a multi-node cluster)."""
+    max_steps: int = 2
+    """GRPO steps to train (RLinf's runner.max_steps)."""
+    save_interval: int = 2
+    """Checkpoint every N steps and at the last step; -1 saves only at the last step."""
+    keep_last_checkpoints: int = 0
+    """Keep only the newest K complete checkpoints (0 keeps all)."""
+    save_full_weights: bool = False
+    """Also write a full-model Hugging Face copy at each checkpoint."""
+    seq_length: int = 1024
+    """Prompt plus answer tokens; max_new_tokens defaults to seq_length - max_prompt_length."""
+    resume_dir: str | None = None
+    """'auto' or a run directory to continue from its last complete checkpoint."""
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def __post_init__(self) -> None:
+        _require(
+            bool(RUN_ID_PATTERN.match(self.experiment_name)),
+            "runner.experiment_name",
+            self.experiment_name,
+            f"must match {RUN_ID_PATTERN.pattern}",
+        )
+        _require(self.max_steps >= 1, "runner.max_steps", self.max_steps, "must be >= 1")
+        _require(
+            self.save_interval == -1 or self.save_interval >= 1,
+            "runner.save_interval",
+            self.save_interval,
+            "must be -1 or >= 1",
+        )
+        _require(
+            self.keep_last_checkpoints >= 0,
+            "runner.keep_last_checkpoints",
+            self.keep_last_checkpoints,
+            "must be >= 0",
+        )
+        _require(self.seq_length >= 2, "runner.seq_length", self.seq_length, "must be >= 2")
+        _require(bool(self.output_dir), "runner.output_dir", self.output_dir, "must be set")
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_k: int = 1000000
+    """<= 0 or >= the vocabulary size turns top-k off."""
+    top_p: float = 1.0
+    max_new_tokens: int | None = None
+    """None: runner.seq_length - data.max_prompt_length."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.temperature > 0,
+            "algorithm.sampling_params.temperature",
+            self.temperature,
+            "must be > 0",
+        )
+        _require(
+            0 < self.top_p <= 1, "algorithm.sampling_params.top_p", self.top_p, "must be in (0, 1]"
+        )
+        _require(
+            self.max_new_tokens is None or self.max_new_tokens >= 1,
+            "algorithm.sampling_params.max_new_tokens",
+            self.max_new_tokens,
+            "must be >= 1",
+        )
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    group_size: int = 2
+    """Answers sampled per prompt; advantages are normalised within a group."""
+    n_minibatches: int = 4
+    """Optimiser steps per GRPO step."""
+    training_batch_size_per_gpu: int = 1
+    """Micro-batch size of the actor."""
+    logprob_forward_micro_batch_size: int = 1
+    """Micro-batch size of the log-prob recompute."""
+    recompute_logprobs: bool = True
+    adv_type: str = "grpo"
+    loss_agg_func: str = "token-mean"
+    """'token-mean' or 'seq-mean-token-mean'."""
+    ratio_clip_eps: float = 0.2
+    kl_beta: float = 0.0
+    kl_penalty_type: str = "low_var_kl"
+    """'kl', 'abs', 'mse' or 'low_var_kl' (used when kl_beta > 0)."""
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "group_size",
+            "n_minibatches",
+            "training_batch_size_per_gpu",
+            "logprob_forward_micro_batch_size",
+        ):
+            value = getattr(self, name)
+            _require(value >= 1, f"algorithm.{name}", value, "must be >= 1")
+        _require(self.adv_type == "grpo", "algorithm.adv_type", self.adv_type, "must be 'grpo'")
+        _require(
+            self.loss_agg_func in ("token-mean", "seq-mean-token-mean"),
+            "algorithm.loss_agg_func",
+            self.loss_agg_func,
+            "must be 'token-mean' or 'seq-mean-token-mean'",
+        )
+        _require(
+            self.ratio_clip_eps > 0, "algorithm.ratio_clip_eps", self.ratio_clip_eps, "must be > 0"
+        )
+        _require(self.kl_beta >= 0, "algorithm.kl_beta", self.kl_beta, "must be >= 0")
+        _require(
+            self.kl_penalty_type in ("kl", "abs", "mse", "low_var_kl"),
+            "algorithm.kl_penalty_type",
+            self.kl_penalty_type,
+            "must be one of kl, abs, mse, low_var_kl",
+        )
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    model_path: str = "/workspace/dataset/DeepSeek-R1-Distill-Qwen-1.5B"
+    """A local Hugging Face model directory (config.json, tokenizer, *.safetensors)."""
+    precision: str = "bf16"
+    """Weights dtype of this component on a GPU: fp32, bf16 or fp16 (CPU always uses fp32)."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    max_batch_size: int = 256
+    """Most sequences decoded together (prompts x group_size are split into such batches)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.model.precision in PRECISIONS,
+            "rollout.model.precision",
+            self.model.precision,
+            f"must be one of {PRECISIONS}",
+        )
+        _require(
+            self.max_batch_size >= 1, "rollout.max_batch_size", self.max_batch_size, "must be >= 1"
+        )
+
+
+@dataclass(kw_only=True)
+class InferenceConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.model.precision in PRECISIONS,
+            "inference.model.precision",
+            self.model.precision,
+            f"must be one of {PRECISIONS}",
+        )
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    optimizer: str = "adam"
+    """AdamW with decoupled weight decay."""
+    lr: float = 2e-5
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-5
+    weight_decay: float = 0.05
+    clip_grad: float = 0.8
+    """Max global grad norm; <= 0 turns clipping off."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.optimizer == "adam", "actor.optim.optimizer", self.optimizer, "must be 'adam'"
+        )
+        _require(self.lr > 0, "actor.optim.lr", self.lr, "must be > 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            _require(0 <= value < 1, f"actor.optim.{name}", value, "must be in [0, 1)")
+        _require(
+            self.weight_decay >= 0, "actor.optim.weight_decay", self.weight_decay, "must be >= 0"
+        )
+
+
+@dataclass(kw_only=True)
+class LrSchedConfig:
+    lr_decay_style: str = "constant"
+    """'constant', 'linear' or 'cosine' (decaying to min_lr over runner.max_steps)."""
+    lr_warmup_iters: int = 0
+    """Optimiser steps of linear warm-up from lr_warmup_init."""
+    lr_warmup_init: float = 0.0
+    min_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.lr_decay_style in ("constant", "linear", "cosine"),
+            "actor.lr_sched.lr_decay_style",
+            self.lr_decay_style,
+            "must be constant, linear or cosine",
+        )
+        _require(
+            self.lr_warmup_iters >= 0,
+            "actor.lr_sched.lr_warmup_iters",
+            self.lr_warmup_iters,
+            "must be >= 0",
+        )
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig:
+    tokenizer_model: str | None = None
+    """Tokenizer directory; None uses actor.model.model_path."""
+    use_fast: bool = True
+    trust_remote_code: bool = False
+    padding_side: str = "right"
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    seed: int = 1234
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(precision="fp32"))
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    lr_sched: LrSchedConfig = field(default_factory=LrSchedConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    mixed_precision: bool = True
+    """On GPUs: FSDP2 bf16 parameters with fp32 gradient reduction (master weights stay fp32)."""
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            self.model.precision in PRECISIONS,
+            "actor.model.precision",
+            self.model.precision,
+            f"must be one of {PRECISIONS}",
+        )
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train_data_paths: list[str] = field(
+        default_factory=lambda: ["/workspace/dataset/AReaL-boba-106k.jsonl"]
+    )
+    """JSONL files, one object a line, in the AReaL-boba format."""
+    prompt_key: str = "prompt"
+    answer_key: str = "solutions"
+    max_prompt_length: int = 256
+    """Prompts longer than this (in tokens) are truncated from the left, with a warning."""
+    rollout_batch_size: int = 8
+    """Prompts per GRPO step."""
+    shuffle: bool = True
+    seed: int = 1234
+    skip_malformed_lines: bool = False
+    """Skip (and count) lines that are not valid JSON objects instead of failing."""
+
+    def __post_init__(self) -> None:
+        _require(
+            len(self.train_data_paths) >= 1,
+            "data.train_data_paths",
+            self.train_data_paths,
+            "must list at least one JSONL file",
+        )
+        _require(
+            self.max_prompt_length >= 1,
+            "data.max_prompt_length",
+            self.max_prompt_length,
+            "must be >= 1",
+        )
+        _require(
+            self.rollout_batch_size >= 1,
+            "data.rollout_batch_size",
+            self.rollout_batch_size,
+            "must be >= 1",
+        )
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    reward_type: str = "math"
+    reward_scale: float = 5.0
+    """A correct answer scores +reward_scale, a wrong one -reward_scale."""
+    timeout_s: float = 10.0
+    """Per-answer grading timeout; an answer that times out scores as wrong."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.reward_type == "math", "reward.reward_type", self.reward_type, "must be 'math'"
+        )
+        _require(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0")
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+    def __post_init__(self) -> None:
+        from rlinf_twoworker.placement import resolve_placement
+
+        resolve_placement(self.cluster)  # raises ConfigError naming the component
+        _require(
+            self.data.max_prompt_length < self.runner.seq_length,
+            "data.max_prompt_length",
+            self.data.max_prompt_length,
+            f"must be < runner.seq_length ({self.runner.seq_length})",
+        )
+        total = self.data.rollout_batch_size * self.algorithm.group_size
+        actor_ranks = len(resolve_placement(self.cluster).ranks("actor"))
+        per_update = total // self.algorithm.n_minibatches
+        _require(
+            total % self.algorithm.n_minibatches == 0 and per_update % actor_ranks == 0,
+            "algorithm.n_minibatches",
+            self.algorithm.n_minibatches,
+            f"rollout_batch_size x group_size ({total}) must split into n_minibatches "
+            f"equal parts, each divisible by the {actor_ranks} actor ranks",
+        )
+
+    @property
+    def max_new_tokens(self) -> int:
+        configured = self.algorithm.sampling_params.max_new_tokens
+        return configured or self.runner.seq_length - self.data.max_prompt_length
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runner.output_dir) / self.runner.experiment_name
+
+
+def _register_rlinf_resolvers() -> None:
+    # RLinf's YAML files use these resolvers (max_new_tokens, return_logprobs).
+    if not OmegaConf.has_resolver("subtract"):
+        OmegaConf.register_resolver("subtract", lambda a, b: a - b)
+    if not OmegaConf.has_resolver("not"):
+        OmegaConf.register_resolver("not", lambda a: not a)
+
+
+def _drop_ignored(raw: DictConfig) -> list[str]:
+    dropped = []
+    for dotted in IGNORED_RLINF_KEYS:
+        parent_key, _, leaf = dotted.rpartition(".")
+        parent = OmegaConf.select(raw, parent_key) if parent_key else raw
+        if isinstance(parent, DictConfig) and leaf in parent:
+            parent.pop(leaf)
+            dropped.append(dotted)
+    return dropped
+
+
+def _hydra_value_to_yaml(value: str) -> str:
+    """Hydra writes flow maps without a space after ':' ({a:0,b:1}); YAML needs one."""
+    out, quote = [], ""
+    for i, ch in enumerate(value):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == ":" and value[i + 1 : i + 2] not in (" ", "") and "{" in value[:i]:
+            out.append(": ")
+            continue
+        out.append(ch)
+    return "".join(out)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Parse one Hydra override into (kind, key, value); kind is '', '+', '++' or '~'."""
+    kind = "++" if text.startswith("++") else text[:1] if text[:1] in "+~" else ""
+    body = text[len(kind) :]
+    key, sep, raw = body.partition("=")
+    key = key.strip()
+    if not key or (not sep and kind != "~"):
+        raise ConfigError(
+            text, text, "an override must look like key=value, +key=value, ++key=value or ~key"
+        )
+    if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
+        raise ConfigError(key, text, "an override key is dot-separated identifiers")
+    try:
+        value = yaml.safe_load(_hydra_value_to_yaml(raw)) if sep else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(key, raw, f"value is not valid YAML/Hydra syntax ({exc})") from exc
+    return kind, key, value
+
+
+def _apply_override(cfg: DictConfig, text: str) -> None:
+    kind, key, value = parse_override(text)
+    exists = OmegaConf.select(cfg, key, default=_MISSING) is not _MISSING
+    if kind == "~":
+        raise ConfigError(key, text, "deleting keys is not supported: every key has a default")
+    if kind == "+" and exists:
+        raise ConfigError(key, value, "'+' adds a new key but this key exists; drop the '+'")
+    if kind == "" and not exists:
+        raise ConfigError(key, value, "unknown config key (see docs/config.md for every key)")
+    try:
+        OmegaConf.update(cfg, key, value, merge=False)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(key, value, _omegaconf_reason(exc)) from exc
+
+
+_MISSING = object()
+
+
+def _omegaconf_reason(exc: OmegaConfBaseException) -> str:
+    first = str(exc).splitlines()[0]
+    if "not in struct" in first or "Key '" in first and "not in" in first:
+        return "unknown config key (see docs/config.md for every key)"
+    return first
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> DictConfig:
+    """Defaults, then an optional YAML file in RLinf's layout, then Hydra-style overrides.
+
+    Returns a validated, struct-mode DictConfig. Raises ConfigError naming the key, the value
+    and the rule that was broken.
+    """
+    _register_rlinf_resolvers()
+    cfg = OmegaConf.structured(GRPOConfig)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("--config", str(path), "the config file does not exist")
+        raw = OmegaConf.load(path)
+        _drop_ignored(raw)
+        try:
+            cfg = OmegaConf.merge(cfg, raw)
+        except OmegaConfBaseException as exc:
+            key = getattr(exc, "full_key", "") or "?"
+            raise ConfigError(
+                f"{key} (in {path})", getattr(exc, "value", None), _omegaconf_reason(exc)
+            ) from exc
+    for text in overrides:
+        _apply_override(cfg, text)
+    to_typed(cfg)  # runs every __post_init__ rule
+    return cfg
+
+
+def to_typed(cfg: DictConfig) -> GRPOConfig:
+    """The config as dataclasses (interpolations resolved); validates on the way."""
+    try:
+        typed = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", "") or "?"
+        raise ConfigError(key, getattr(exc, "value", None), _omegaconf_reason(exc)) from exc
+    assert isinstance(typed, GRPOConfig)
+    return typed
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    """The resolved config as YAML (what hydra/.hydra/config.yaml holds)."""
+    return OmegaConf.to_yaml(cfg, resolve=True)

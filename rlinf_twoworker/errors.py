@@ -1,0 +1,47 @@
+"""The library's exceptions. Each says what happened, where, and what to do."""
+
+from __future__ import annotations
+
+
+class TwoWorkerError(RuntimeError):
+    """Base class of every error this library raises on purpose."""
+
+
+class ConfigError(TwoWorkerError, ValueError):
+    """A config key has a value that breaks a rule (raised at load, before anything is created)."""
+
+    def __init__(self, key: str, value: object, rule: str) -> None:
+        self.key, self.value, self.rule = key, value, rule
+        super().__init__(f"config key '{key}' = {value!r}: {rule}")
+
+
+class RunDirError(TwoWorkerError):
+    """The run directory cannot be created (it exists, or its parent is not writable)."""
+
+
+class PlacementError(TwoWorkerError):
+    """The placement group could not be scheduled within its timeout."""
+
+
+class PreflightError(TwoWorkerError):
+    """A per-node preflight check failed; no training was started."""
+
+
+class ClusterError(TwoWorkerError):
+    """No Ray cluster is reachable, or it is not the cluster the config asks for."""
+
+
+class ComponentError(TwoWorkerError):
+    """A component (rollout, reward, inference, actor) failed; names the component, rank and node."""
+
+    def __init__(self, component: str, rank: int, node: str, cause: str) -> None:
+        self.component, self.rank, self.node, self.cause = component, rank, node, cause
+        super().__init__(f"component {component} rank {rank} on node {node} failed: {cause}")
+
+
+class RunCancelledError(TwoWorkerError):
+    """The run was cancelled (RunHandle.cancel(), Ctrl-C, or the Driver exiting)."""
+
+
+class VerificationError(TwoWorkerError):
+    """The postflight found a problem in the run directory."""
