@@ -1,6 +1,36 @@
-"""rlinf_twoworker: GRPO training across several Ray nodes, as one library call."""
+"""rlinf_twoworker: GRPO training across several Ray nodes, as one library call.
+
+    handle = run_grpo_two_worker(cfg)
+    ray.get(handle.step(1))
+    ray.get(handle.checkpoint(2))
+    report = handle.result()
+"""
 
 from rlinf_twoworker.config import GRPOConfig, load_config
+from rlinf_twoworker.errors import (
+    ClusterError,
+    ComponentError,
+    ConfigError,
+    PlacementError,
+    PreflightError,
+    RunCancelledError,
+    RunDirError,
+    TwoWorkerError,
+    VerificationError,
+)
 
-__all__ = ["GRPOConfig", "load_config"]
+__all__ = [
+    "ClusterError", "ComponentError", "ConfigError", "GRPOConfig", "PlacementError",
+    "PreflightError", "RunCancelledError", "RunDirError", "RunHandle", "TwoWorkerError",
+    "VerificationError", "load_config", "run_grpo_two_worker",
+]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The handle pulls in Ray, torch and transformers; load them only when asked for.
+    if name in ("run_grpo_two_worker", "RunHandle"):
+        from rlinf_twoworker import handle
+
+        return getattr(handle, name)
+    raise AttributeError(name)

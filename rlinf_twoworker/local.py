@@ -15,6 +15,8 @@ LOOPBACK = "127.0.0.1"
 # every node and the Driver use loopback instead of the machine's external address.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# The scenario's clusters have no RDMA; its preflight requires this on every node.
+os.environ.setdefault("NCCL_IB_DISABLE", "1")
 
 
 def visible_cuda_gpus() -> int:

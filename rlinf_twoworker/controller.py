@@ -1,0 +1,241 @@
+"""The run controller: an async Ray actor on the Driver's node that owns one run.
+
+It builds the placement group, runs preflight, starts the components, trains, checkpoints and
+verifies; meanwhile it answers the handle's futures (`wait_step`, `wait_checkpoint`, ...). A
+failure or a cancellation resolves every pending future with that error, kills the run's
+actors and removes its placement group, so no future hangs and nothing is left holding GPUs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlinf_twoworker import checkpoint as ckpt
+from rlinf_twoworker.components import ComponentGroup
+from rlinf_twoworker.config import to_typed
+from rlinf_twoworker.data import PromptSampler, encode_prompts, load_jsonl
+from rlinf_twoworker.errors import RunCancelledError
+from rlinf_twoworker.grpo_step import run_step, sync_weights
+from rlinf_twoworker.metrics import MetricsWriter
+from rlinf_twoworker.models import load_tokenizer
+from rlinf_twoworker.placement import create_placement_group, resolve_placement, wait_removed
+from rlinf_twoworker.results import CheckpointInfo, StepResult
+from rlinf_twoworker.rundir import FAILURE_JSON, RunLog, atomic_write_text
+
+
+class _Future:
+    """A value that resolves once, or fails with the run's error."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.value: Any = None
+
+    def set(self, value: Any) -> None:
+        self.value = value
+        self.event.set()
+
+
+class RunController:
+    def __init__(self, cfg: DictConfig, run_dir: str, classes: dict | None = None) -> None:
+        self.raw_cfg = cfg
+        self.cfg = to_typed(cfg)
+        self.run_dir = Path(run_dir)
+        self.run_id = self.cfg.runner.experiment_name
+        self.log = RunLog(self.run_dir)
+        self.classes = classes
+        self.steps = {n: _Future() for n in range(1, self.cfg.runner.max_steps + 1)}
+        self.checkpoints = {n: _Future() for n in ckpt.scheduled_steps(self.cfg)}
+        self.preflight_f, self.result_f, self.placement_f = _Future(), _Future(), _Future()
+        self.error: BaseException | None = None
+        self.group: ComponentGroup | None = None
+        self.pg: Any = None
+        self.task: asyncio.Task | None = None
+        self.state = "pending"
+        self.current_step = 0
+        self.resume_step = 0
+        self.resume_from: Path | None = None
+        self.last: dict[str, float] = {}
+        self.started_at = time.time()
+
+    # ---- the handle's view -------------------------------------------------------------
+    async def start(self) -> bool:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+        return True
+
+    async def _await(self, future: _Future, timeout: float | None = None) -> Any:
+        await asyncio.wait_for(future.event.wait(), timeout)
+        if future.value is None and self.error is not None:
+            raise self.error
+        return future.value
+
+    async def wait_step(self, n: int) -> StepResult:
+        return await self._await(self.steps[n])
+
+    async def wait_checkpoint(self, n: int) -> CheckpointInfo:
+        return await self._await(self.checkpoints[n])
+
+    async def wait_preflight(self) -> Any:
+        return await self._await(self.preflight_f)
+
+    async def wait_result(self) -> Any:
+        return await self._await(self.result_f)
+
+    async def placement_group(self) -> Any:
+        return await self._await(self.placement_f)
+
+    def topology(self) -> list[dict[str, Any]]:
+        return [p.to_dict() for p in self.group.topology()] if self.group else []
+
+    def status(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "state": self.state, "step": self.current_step,
+                "max_steps": self.cfg.runner.max_steps, "metrics": dict(self.last),
+                "error": None if self.error is None else str(self.error),
+                "elapsed_s": time.time() - self.started_at}
+
+    async def cancel(self) -> bool:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            try:
+                await asyncio.wait_for(asyncio.shield(self.task), 60)
+            except (asyncio.CancelledError, asyncio.TimeoutError):
+                pass
+        return True
+
+    # ---- the run ---------------------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            self.state = "running"
+            await self._setup()
+            await self._train()
+            report = await self._finish()
+            self.state = "succeeded" if report.passed else "failed"
+            self.result_f.set(report)
+        except asyncio.CancelledError:
+            self._fail(RunCancelledError(f"run {self.run_id} was cancelled"), "cancelled")
+        except BaseException as exc:  # every failure must resolve the futures
+            self._fail(exc, "failed")
+        finally:
+            await asyncio.to_thread(self._release)
+
+    async def _setup(self) -> None:
+        from rlinf_twoworker.preflight import run_preflight
+
+        cfg, timeouts = self.cfg, self.cfg.runner.timeouts
+        placement = resolve_placement(cfg.cluster)
+        self.pg = await asyncio.to_thread(create_placement_group, cfg.cluster,
+                                          f"{self.run_id}:pg", timeouts.placement_s)
+        self.placement_f.set(self.pg)
+        report = await asyncio.to_thread(run_preflight, cfg, self.pg, self.run_dir,
+                                         self.log.status)
+        self.preflight_f.set(report)
+        self.group = ComponentGroup(cfg, self.run_id, placement, self.pg, self.classes)
+        self.group.start()
+        await self.group.wait_started()
+        await self._join_process_groups()
+        for row in self.group.topology():
+            self.log.info(f"COMPONENT {row.component}:{row.rank} bundle={row.bundle} "
+                          f"node={row.node_id[:8]} ip={row.node_ip} gpus={row.gpu_ids}")
+
+    async def _join_process_groups(self) -> None:
+        group, timeout = self.group, self.cfg.runner.timeouts.collective_s
+        actors = group.actors()
+        consumers = [group.one("rollout"), group.one("inference")]
+        members = actors + consumers
+        master = await group.call(actors[0], "rendezvous_address", timeout=timeout,
+                                  stage="rendezvous")
+        actor_ranks = list(range(len(actors)))
+        consumer_ranks = [len(actors), len(actors) + 1]
+        args = [(tuple(master), i, len(members), actor_ranks, consumer_ranks)
+                for i in range(len(members))]
+        await group.call_each(members, "join", timeout=timeout, stage="process group",
+                              per_member=args)
+        await group.call_each(actors, "build", timeout=self.cfg.runner.timeouts.actor_start_s,
+                              stage="actor build")
+        self.resume_from = ckpt.resume_source(self.cfg, self.run_dir)
+        if self.resume_from is not None:
+            self.resume_step = await ckpt.restore(group, self.cfg, self.resume_from, self.log)
+        await sync_weights(group, self.cfg)  # rollout and inference start from the actor
+
+    async def _train(self) -> None:
+        cfg = self.cfg
+        data = cfg.data
+        samples = await asyncio.to_thread(load_jsonl, data.train_data_paths, data.prompt_key,
+                                          data.answer_key, data.skip_malformed_lines)
+        tokenizer = load_tokenizer(cfg.actor.tokenizer.tokenizer_model
+                                   or cfg.actor.model.model_path)
+        sampler = PromptSampler(len(samples), data.rollout_batch_size, data.shuffle, data.seed)
+        if self.resume_step:
+            sampler.load_state_dict(ckpt.load_data_state(self.resume_from)["sampler"])
+        writer = MetricsWriter(self.run_dir)
+        try:
+            for step in range(self.resume_step + 1, cfg.runner.max_steps + 1):
+                self.current_step = step
+                indices = sampler.next_batch()
+                prompts = encode_prompts(tokenizer, [samples[i].prompt for i in indices],
+                                         data.max_prompt_length, log=self.log.info)
+                result = await run_step(self.group, cfg, step, prompts,
+                                        [samples[i].solutions for i in indices])
+                self.last = {**result.metrics, **result.timings}
+                writer.write(step, self.last)
+                self.log.info(_step_line(step, cfg.runner.max_steps, result))
+                self.steps[step].set(result)
+                if step in self.checkpoints:
+                    info = await ckpt.save(self.group, cfg, self.run_dir, step,
+                                           {"sampler": sampler.state_dict(), "step": step})
+                    self.log.info(f"CHECKPOINT step={step} dir={info.directory}")
+                    self.checkpoints[step].set(info)
+        finally:
+            writer.close()
+        for step in range(1, self.resume_step + 1):  # steps done by the run we resumed from
+            self.steps[step].set(StepResult(step, {}, {}))
+        self.log.info(f"Step limit given by max_steps={cfg.runner.max_steps} reached. "
+                      "Stopping run")
+        self.log.status("RLINF_PYTHON_EXIT_CODE=0")
+
+    async def _finish(self) -> Any:
+        from rlinf_twoworker.verify import verify_run
+
+        await asyncio.to_thread(self._release)
+        placement = OmegaConf.to_container(self.raw_cfg.cluster.component_placement)
+        return await asyncio.to_thread(
+            verify_run, self.run_dir, self.cfg.runner.max_steps, self.cfg.cluster.num_nodes,
+            log=self.log.status, expected_placement=placement)
+
+    # ---- failure and clean-up ----------------------------------------------------------------
+    def _fail(self, exc: BaseException, state: str) -> None:
+        self.error, self.state = exc, state
+        detail = "".join(traceback.format_exception(exc)) if state == "failed" else str(exc)
+        summary = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        self.log.info(f"RUN_{state.upper()} error={type(exc).__name__}: {summary}")
+        with open(self.run_dir / "log" / "main.log", "a", encoding="utf-8") as handle:
+            handle.write(detail + "\n")
+        record = {"state": state, "error": str(exc), "type": type(exc).__name__,
+                  "step": self.current_step, "time": time.time()}
+        atomic_write_text(self.run_dir / FAILURE_JSON, json.dumps(record, indent=2))
+        for future in [*self.steps.values(), *self.checkpoints.values(), self.preflight_f,
+                       self.result_f, self.placement_f]:
+            if not future.event.is_set():
+                future.event.set()
+
+    def _release(self) -> None:
+        if self.group is not None:
+            self.group.kill()
+        if self.pg is not None:
+            wait_removed(self.pg)
+
+
+def _step_line(step: int, max_steps: int, result: StepResult) -> str:
+    m, t = result.metrics, result.timings
+    return (f"STEP {step}/{max_steps} reward={m['rollout/reward_scores']:.4f} "
+            f"loss={m['actor/training/actor/final_loss']:.6f} "
+            f"grad_norm={m['actor/training/actor/grad_norm']:.4f} "
+            f"lr={m['actor/training/actor/lr']:.3g} time={t['time/step']:.2f}s "
+            f"(rollout {t['time/rollout']:.2f}s, actor {t['time/actor/training']:.2f}s, "
+            f"sync {t['time/sync_weights']:.2f}s)")

@@ -1,0 +1,176 @@
+"""`run_grpo_two_worker(cfg)` and the `RunHandle` it returns.
+
+The call validates the config, checks the cluster and creates the run directory before it
+returns (bad input raises at once and creates nothing); the run itself goes on in a controller
+actor on the Driver's node. The handle's futures are Ray ObjectRefs: `ray.get`, `ray.wait`,
+`await`, or pass them to other Ray tasks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+from rlinf_twoworker import checkpoint as ckpt
+from rlinf_twoworker.components import NAMESPACE
+from rlinf_twoworker.config import GRPOConfig, to_typed
+from rlinf_twoworker.errors import ClusterError, ConfigError, TwoWorkerError
+from rlinf_twoworker.rundir import DRIVER_LOG, create_run_dir, run_dir_of
+
+
+class RunHandle:
+    """One run: its identity, its futures and its controls."""
+
+    def __init__(self, controller: Any, cfg: DictConfig, run_dir: Path) -> None:
+        self._controller = controller
+        self.config = cfg
+        self._typed: GRPOConfig = to_typed(cfg)
+        self.run_id: str = self._typed.runner.experiment_name
+        self.output_dir: Path = run_dir
+        self._result_ref: Any = None
+
+    @property
+    def placement_group(self) -> Any:
+        timeout = self._typed.runner.timeouts.placement_s + 30
+        return ray.get(self._controller.placement_group.remote(), timeout=timeout)
+
+    @property
+    def preflight(self) -> ray.ObjectRef:
+        """Resolves to the PreflightReport once every node's probe has passed."""
+        return self._controller.wait_preflight.remote()
+
+    def step(self, n: int) -> ray.ObjectRef:
+        """Resolves to the StepResult of step n once it is complete."""
+        if not 1 <= n <= self._typed.runner.max_steps:
+            raise ValueError(f"step {n} is outside this run's steps 1..{self._typed.runner.max_steps}")
+        return self._controller.wait_step.remote(n)
+
+    def checkpoint(self, n: int) -> ray.ObjectRef:
+        """Resolves to the CheckpointInfo of step n once it is complete on storage."""
+        scheduled = ckpt.scheduled_steps(self._typed)
+        if n not in scheduled:
+            raise ValueError(f"no checkpoint is scheduled at step {n}; this run checkpoints at "
+                             f"steps {scheduled} (runner.save_interval, and the last step)")
+        return self._controller.wait_checkpoint.remote(n)
+
+    def result_ref(self) -> ray.ObjectRef:
+        if self._result_ref is None:
+            self._result_ref = self._controller.wait_result.remote()
+        return self._result_ref
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Block until the run ends; return the VerificationReport or raise the run's error."""
+        try:
+            return ray.get(self.result_ref(), timeout=timeout)
+        except ray.exceptions.RayTaskError as exc:
+            raise _cause(exc) from None
+
+    def done(self) -> bool:
+        ready, _ = ray.wait([self.result_ref()], timeout=0)
+        return bool(ready)
+
+    def status(self) -> dict[str, Any]:
+        """State, current step, latest metrics and stage times, elapsed seconds."""
+        return ray.get(self._controller.status.remote(), timeout=30)
+
+    def topology(self) -> list[dict[str, Any]]:
+        """Component, rank, bundle, node id, node IP and GPU ids of every process."""
+        return ray.get(self._controller.topology.remote(), timeout=30)
+
+    def cancel(self, timeout: float = 60.0) -> None:
+        """Stop the run: pending futures raise RunCancelledError; actors and the placement
+        group are released."""
+        ray.get(self._controller.cancel.remote(), timeout=timeout)
+
+    def follow(self, emit: Callable[[str], None] = print, poll_s: float = 0.5,
+               timeout: float | None = None) -> None:
+        """Emit driver.log's lines as they are written, until the run ends."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        path, offset = self.output_dir / DRIVER_LOG, 0
+        while True:
+            finished = self.done()
+            with open(path, encoding="utf-8") as handle:
+                handle.seek(offset)
+                chunk = handle.read()
+                offset = handle.tell()
+            for line in chunk.splitlines():
+                emit(line)
+            if finished:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.run_id} still running after {timeout:g} s")
+            time.sleep(poll_s)
+
+
+def _cause(exc: ray.exceptions.RayTaskError) -> BaseException:
+    """The run's own error (ComponentError, PreflightError, ...) without Ray's wrapping."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def _connect(ray_address: str | None) -> None:
+    if ray.is_initialized():  # embedded in another Ray program: use its connection
+        return
+    try:
+        ray.init(address=ray_address or "auto", namespace=NAMESPACE, log_to_driver=False)
+    except (ConnectionError, RuntimeError) as exc:
+        raise ClusterError(f"no Ray cluster reachable at {ray_address or 'auto'}: {exc}. "
+                           "Start the Driver on a node of a running cluster (the library never "
+                           "starts Ray itself) or pass ray_address.") from exc
+
+
+def check_cluster(cfg: GRPOConfig) -> None:
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    gpus = sorted(int(n["Resources"].get("GPU", 0)) for n in alive)
+    if len(alive) < cfg.cluster.num_nodes:
+        raise ClusterError(
+            f"Ray finds {len(alive)} alive node(s) but cluster.num_nodes={cfg.cluster.num_nodes}: "
+            "the cluster is not what the config asks for. Wait for the workers to join, or "
+            "lower cluster.num_nodes.")
+    enough = [g for g in gpus if g >= cfg.cluster.num_gpus_per_node]
+    if len(enough) < cfg.cluster.num_nodes:
+        raise ClusterError(
+            f"{cfg.cluster.num_nodes} nodes with {cfg.cluster.num_gpus_per_node} GPUs each are "
+            f"needed; the alive nodes have GPUs {gpus}. Fix cluster.num_gpus_per_node.")
+
+
+def run_grpo_two_worker(cfg: DictConfig | GRPOConfig, *, ray_address: str | None = None,
+                        overrides: Sequence[str] = (),
+                        component_classes: dict[str, type] | None = None) -> RunHandle:
+    """Start a GRPO run on the connected (or given) Ray cluster; returns at once with a handle.
+
+    `overrides` are recorded in hydra/.hydra/overrides.yaml. `component_classes` replaces a
+    component's class (tests inject failing ones)."""
+    if isinstance(cfg, GRPOConfig):
+        cfg = OmegaConf.structured(cfg)
+    cfg = cfg.copy()
+    typed = to_typed(cfg)
+    output_root = Path(typed.runner.output_dir).resolve()
+    cfg.runner.output_dir = str(output_root)
+    run_dir = run_dir_of(output_root, typed.runner.experiment_name)
+    if run_dir.exists():
+        raise ConfigError("runner.experiment_name", typed.runner.experiment_name,
+                          f"run directory {run_dir} already exists; runs are never reused "
+                          "or overwritten: choose a new RUN_ID")
+    _connect(ray_address)
+    check_cluster(typed)
+    run_dir = create_run_dir(cfg, overrides)
+    from rlinf_twoworker.controller import RunController
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    controller = ray.remote(RunController).options(
+        name=f"{typed.runner.experiment_name}:controller:0", namespace=NAMESPACE,
+        num_cpus=0, max_concurrency=1000, max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+    ).remote(cfg, str(run_dir), component_classes)
+    try:
+        ray.get(controller.start.remote(), timeout=typed.runner.timeouts.actor_start_s)
+    except Exception as exc:
+        raise TwoWorkerError(f"the run controller did not start on this node: {exc}") from exc
+    return RunHandle(controller, cfg, run_dir)

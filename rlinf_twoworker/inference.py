@@ -1,0 +1,46 @@
+"""Inference: recompute the log-probabilities of every answer token under the current policy.
+
+Runs with the weights the actor has before its update (the sync happens after each update), so
+these are the "old" log-probabilities of the PPO ratio.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.models import SequenceBatch, dtype_for, load_causal_lm, response_logprobs
+from rlinf_twoworker.weight_sync import receive_weights, state_digest
+from rlinf_twoworker.worker import Worker
+
+
+class InferenceWorker(Worker):
+    """A forward-only copy of the policy."""
+
+    def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
+        super().__init__(cfg, "inference", rank)
+        self.dtype = dtype_for(cfg.inference.model.precision, self.device)
+        self.model = load_causal_lm(cfg.inference.model.model_path, self.dtype,
+                                    self.device).eval()
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: SequenceBatch) -> dict[str, Any]:
+        start = time.perf_counter()
+        micro = self.cfg.algorithm.logprob_forward_micro_batch_size
+        parts = []
+        for begin in range(0, len(batch), micro):
+            rows = batch.rows(slice(begin, begin + micro)).to(self.device)
+            parts.append(response_logprobs(self.model, rows).cpu())
+        logprobs = torch.cat(parts) * batch.response_mask
+        return {"logprobs": logprobs, "seconds": time.perf_counter() - start}
+
+    def receive_weights(self, sync_dtype: str) -> dict[str, float]:
+        start = time.perf_counter()
+        received = receive_weights(self.model, self.sync, getattr(torch, sync_dtype))
+        return {"bytes": received, "seconds": time.perf_counter() - start}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return state_digest(self.model)

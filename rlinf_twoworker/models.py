@@ -1,0 +1,116 @@
+"""Loading models and tokenizers from a local directory, and the tensor layout of a batch.
+
+Every component loads through `transformers` (AutoModelForCausalLM / AutoTokenizer) from the
+configured directory, with no hub access: a wrong path fails here with a clear message.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlinf_twoworker.errors import TwoWorkerError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def device_for(accelerator: str) -> torch.device:
+    """The device of this process: the GPU Ray assigned (cuda:0 after CUDA_VISIBLE_DEVICES)."""
+    if accelerator == "cuda":
+        if not torch.cuda.is_available():
+            raise TwoWorkerError("cluster.accelerator is 'cuda' but CUDA is not available in "
+                                 "this process; set cluster.accelerator=cpu or fix the GPU setup")
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def dtype_for(precision: str, device: torch.device) -> torch.dtype:
+    # Half precision on a CPU is slow and lossy for no gain: the CPU path always uses fp32.
+    return DTYPES[precision] if device.type == "cuda" else torch.float32
+
+
+def _offline() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    _offline()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise TwoWorkerError(f"cannot load a tokenizer from {path}: {exc}; the directory needs "
+                             "tokenizer_config.json and tokenizer files") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """AutoModelForCausalLM from a local directory, with an error that says what is wrong."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _offline()
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise TwoWorkerError(f"model directory {path} has no config.json; point "
+                             "*.model.model_path at a Hugging Face model directory")
+    config = AutoConfig.from_pretrained(str(path))
+    archs = getattr(config, "architectures", None) or []
+    if archs and not any(a.endswith("ForCausalLM") for a in archs):
+        raise TwoWorkerError(f"model in {path} is {archs}, not a causal LM (…ForCausalLM)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
+                                                     attn_implementation="sdpa")
+    except ValueError as exc:
+        raise TwoWorkerError(f"model in {path} cannot be loaded as a causal LM: {exc}") from exc
+    return model.to(device)
+
+
+@dataclass
+class SequenceBatch:
+    """Prompt (left-padded to P) followed by the response (right-padded to R), per row.
+
+    Rows of one prompt's group are contiguous. `response_mask` marks real response tokens
+    (up to and including EOS).
+    """
+
+    input_ids: torch.Tensor  # [B, P + R]
+    attention_mask: torch.Tensor  # [B, P + R]
+    response_mask: torch.Tensor  # [B, R]
+    prompt_length: int
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        return (self.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+    @property
+    def responses(self) -> torch.Tensor:
+        return self.input_ids[:, self.prompt_length:]
+
+    def rows(self, index: slice | torch.Tensor) -> SequenceBatch:
+        return SequenceBatch(self.input_ids[index], self.attention_mask[index],
+                             self.response_mask[index], self.prompt_length)
+
+    def to(self, device: torch.device) -> SequenceBatch:
+        return SequenceBatch(self.input_ids.to(device), self.attention_mask.to(device),
+                             self.response_mask.to(device), self.prompt_length)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def response_logprobs(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tensor:
+    """Log-probabilities of each response token under `model`, shape [B, R] (float32)."""
+    from rlinf_twoworker.algorithm import token_logprobs
+
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   position_ids=batch.position_ids, use_cache=False).logits
+    p = batch.prompt_length
+    return token_logprobs(logits[:, p - 1:-1], batch.input_ids[:, p:])

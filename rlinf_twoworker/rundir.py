@@ -1,0 +1,133 @@
+"""The run directory on shared storage: created once, atomically, never reused.
+
+Layout (SCENARIO.md): driver.log, preflight.json, hydra/.hydra/{config,overrides}.yaml,
+log/main.log, tensorboard/, checkpoints/global_step_<N>/{actor/dcp_checkpoint,data/data.pt},
+verification.json.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+from filelock import FileLock, Timeout
+from omegaconf import DictConfig
+
+from rlinf_twoworker.config import RUN_ID_PATTERN, to_yaml
+from rlinf_twoworker.errors import RunDirError
+
+DRIVER_LOG = "driver.log"
+MAIN_LOG = "log/main.log"
+CONFIG_YAML = "hydra/.hydra/config.yaml"
+OVERRIDES_YAML = "hydra/.hydra/overrides.yaml"
+PREFLIGHT_JSON = "preflight.json"
+VERIFICATION_JSON = "verification.json"
+FAILURE_JSON = "failure.json"
+TENSORBOARD_DIR = "tensorboard"
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def run_dir_of(output_root: str | Path, run_id: str) -> Path:
+    """output_root/run_id, refusing ids that could escape output_root."""
+    if not RUN_ID_PATTERN.match(run_id or ""):
+        raise RunDirError(f"RUN_ID {run_id!r} is invalid: it must match {RUN_ID_PATTERN.pattern} "
+                          "(letters, digits, '.', '_', '-'; no path separators)")
+    return Path(output_root).resolve() / run_id
+
+
+def create_run_dir(cfg: DictConfig, overrides: Sequence[str] = ()) -> Path:
+    """Create the run directory and write the resolved config; refuse an existing one.
+
+    Safe against two launchers racing on shared storage: a file lock serialises them and
+    `os.mkdir` is atomic, so exactly one wins and the loser changes nothing.
+    """
+    output_root = Path(cfg.runner.output_dir).resolve()
+    run_dir = run_dir_of(output_root, cfg.runner.experiment_name)
+    try:
+        output_root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunDirError(f"cannot create the output root {output_root}: {exc}; check that the "
+                          "shared storage is mounted and writable") from exc
+    lock = FileLock(str(output_root / f".{run_dir.name}.lock"), timeout=30)
+    try:
+        with lock:
+            try:
+                os.mkdir(run_dir)
+            except FileExistsError:
+                raise RunDirError(
+                    f"run directory {run_dir} already exists: runs are never reused or "
+                    "overwritten; choose a new RUN_ID (runner.experiment_name)") from None
+            except OSError as exc:
+                raise RunDirError(f"cannot create run directory {run_dir}: {exc}") from exc
+    except Timeout as exc:
+        raise RunDirError(f"another launcher holds the lock {lock.lock_file} for more than 30 s; "
+                          "if none is running, delete the lock file") from exc
+    _write_config(run_dir, cfg, overrides)
+    (run_dir / "log").mkdir()
+    (run_dir / MAIN_LOG).touch()
+    (run_dir / DRIVER_LOG).touch()
+    return run_dir
+
+
+def _write_config(run_dir: Path, cfg: DictConfig, overrides: Sequence[str]) -> None:
+    hydra_dir = run_dir / "hydra" / ".hydra"
+    hydra_dir.mkdir(parents=True)
+    atomic_write_text(hydra_dir / "config.yaml", to_yaml(cfg))
+    atomic_write_text(hydra_dir / "overrides.yaml", yaml.safe_dump(list(overrides)))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a file under a temporary name, fsync, then rename: readers never see half of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+class RunLog:
+    """Appends lines to driver.log and log/main.log (one write per line, O_APPEND)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+
+    def _append(self, relative: str, line: str) -> None:
+        with open(self.run_dir / relative, "a", encoding="utf-8") as handle:
+            handle.write(line.rstrip("\n") + "\n")
+
+    def status(self, line: str) -> None:
+        """A status line of the tutorial's interface: driver.log (and main.log)."""
+        self._append(DRIVER_LOG, line)
+        self._append(MAIN_LOG, f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}")
+
+    def info(self, line: str) -> None:
+        """A log line of the run: main.log and driver.log."""
+        stamped = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}"
+        self._append(MAIN_LOG, stamped)
+        self._append(DRIVER_LOG, line)
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS_DIR / f"global_step_{step}"
+
+
+def staging_checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """Where a checkpoint is written before its rename to the final name."""
+    return Path(run_dir) / CHECKPOINTS_DIR / f".global_step_{step}.incomplete"
+
+
+def complete_checkpoint_steps(run_dir: Path) -> list[int]:
+    """Steps with a checkpoint under its final name (so complete), ascending."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    steps = []
+    for child in root.iterdir():
+        name = child.name
+        if child.is_dir() and name.startswith("global_step_") and name[12:].isdigit():
+            steps.append(int(name[12:]))
+    return sorted(steps)

@@ -1,0 +1,90 @@
+"""What every component process shares: its identity and its place in the process groups.
+
+The plain component classes (rollout, inference, actor) inherit this; Ray only adds placement
+and remoteness around them (`ray.remote(RolloutWorker).options(...)`), so each class also runs
+in a plain process for tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.models import device_for
+from rlinf_twoworker.weight_sync import SyncGroups, new_sync_groups
+
+
+def node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return "127.0.0.1"
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class Worker:
+    """Identity, device and process-group membership of one component process."""
+
+    def __init__(self, cfg: GRPOConfig, component: str, rank: int) -> None:
+        self.cfg, self.component, self.rank = cfg, component, rank
+        self.device = device_for(cfg.cluster.accelerator)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.actor_group: Any = None
+        self.sync: SyncGroups | None = None
+        torch.manual_seed(cfg.actor.seed + rank)
+
+    def where(self) -> dict[str, Any]:
+        """Component, rank, node and GPUs of this process (for topology and error messages)."""
+        info: dict[str, Any] = {"component": self.component, "rank": self.rank,
+                                "host": socket.gethostname(), "ip": node_ip(), "pid": os.getpid()}
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ctx = ray.get_runtime_context()
+                info["node_id"] = ctx.get_node_id()
+                info["gpu_ids"] = [str(g) for g in ray.get_gpu_ids()]
+        except Exception:
+            pass
+        return info
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        ip = node_ip()
+        return ip, free_port(ip)
+
+    def join(self, master: tuple[str, int], world_rank: int, world_size: int,
+             actor_ranks: list[int], consumer_ranks: list[int]) -> None:
+        """Join the run's world process group and create the sub-groups (same order everywhere)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        timeout = datetime.timedelta(seconds=self.cfg.runner.timeouts.collective_s)
+        if master[0].startswith("127."):
+            # Keep collectives on loopback when the whole cluster lives on one host.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        dist.init_process_group(self.backend, init_method=f"tcp://{master[0]}:{master[1]}",
+                                rank=world_rank, world_size=world_size, timeout=timeout)
+        self.actor_group = dist.new_group(actor_ranks)
+        self.sync = new_sync_groups(actor_ranks, consumer_ranks)
+
+    def leave(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def ping(self) -> bool:
+        return True
