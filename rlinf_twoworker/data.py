@@ -1,0 +1,219 @@
+"""Prompts: reading AReaL-boba JSONL files, a resumable seeded sampler, and prompt tokenisation.
+
+The sampler's state is a handful of plain ints so that it rides in a checkpoint's `data.pt`
+(loadable with `torch.load(weights_only=True)`) and a resumed run draws exactly the prompts the
+uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlinf_twoworker.errors import TwoWorkerError
+
+logger = logging.getLogger(__name__)
+
+_SKIP_HINT = "set data.skip_malformed_lines=true to skip such lines"
+
+
+class DataError(TwoWorkerError):
+    """The training data cannot be read, or a sampler state does not fit the data."""
+
+
+@dataclass
+class Sample:
+    prompt: str
+    """The full prompt text, chat markup included (AReaL-boba prompts carry it)."""
+    solutions: list[str]
+    """Gold answers; an answer matching any of them is correct."""
+    query_id: str | None = None
+
+
+def _parse_line(line: str, prompt_key: str, answer_key: str) -> Sample:
+    """One JSONL line as a Sample; raises ValueError with the problem in words."""
+    try:
+        obj: Any = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    prompt = obj.get(prompt_key)
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"key '{prompt_key}' (data.prompt_key) must be a non-empty string")
+    solutions = obj.get(answer_key)
+    if isinstance(solutions, str):
+        solutions = [solutions]
+    if (
+        not isinstance(solutions, list)
+        or not solutions
+        or not all(isinstance(s, str) for s in solutions)
+    ):
+        raise ValueError(
+            f"key '{answer_key}' (data.answer_key) must be a string or a non-empty list of strings"
+        )
+    query_id = obj.get("query_id")
+    return Sample(prompt, solutions, None if query_id is None else str(query_id))
+
+
+def _read_file(
+    path: Path, prompt_key: str, answer_key: str, skip_malformed: bool
+) -> tuple[list[Sample], list[str]]:
+    """Samples of one file and descriptions of the lines skipped."""
+    samples, skipped = [], []
+    try:
+        with path.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    samples.append(_parse_line(line, prompt_key, answer_key))
+                except ValueError as exc:
+                    where = f"{path}:{lineno}: {exc}"
+                    if not skip_malformed:
+                        raise DataError(f"malformed line {where}; fix it or {_SKIP_HINT}") from None
+                    skipped.append(where)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(
+            f"cannot read data file {path} ({exc}); check data.train_data_paths"
+        ) from exc
+    return samples, skipped
+
+
+def load_jsonl(
+    paths: Sequence[str],
+    prompt_key: str = "prompt",
+    answer_key: str = "solutions",
+    skip_malformed: bool = False,
+) -> list[Sample]:
+    """All samples of the given AReaL-boba JSONL files, in file then line order.
+
+    Blank lines are ignored. A malformed line fails the load naming file and line, unless
+    `skip_malformed`, in which case it is skipped and the count logged (a silently shrunken data
+    set would be a surprise). No sample at all is an error either way.
+    """
+    samples: list[Sample] = []
+    skipped: list[str] = []
+    for path in paths:
+        got, bad = _read_file(Path(path), prompt_key, answer_key, skip_malformed)
+        samples.extend(got)
+        skipped.extend(bad)
+    if skipped:
+        logger.warning(
+            "skipped %d malformed line(s) in %s (data.skip_malformed_lines=true); first: %s",
+            len(skipped),
+            list(paths),
+            skipped[0],
+        )
+    if not samples:
+        raise DataError(
+            f"no samples in {list(paths)}: the files hold no valid lines; check "
+            "data.train_data_paths"
+        )
+    return samples
+
+
+class PromptSampler:
+    """Seeded, resumable sampler of prompt indices, one rollout batch at a time.
+
+    Each epoch is a permutation of range(num_samples) derived from (seed, epoch) alone, so any
+    epoch can be recreated after a restart. Batches are consecutive slices of that permutation;
+    when fewer than batch_size indices remain, they are dropped (as RLinf's drop_last loader does)
+    and the next epoch starts. A batch never mixes two epochs, and no index repeats in an epoch.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, shuffle: bool, seed: int) -> None:
+        if batch_size < 1 or batch_size > num_samples:
+            raise DataError(
+                f"data.rollout_batch_size={batch_size} must be between 1 and the number of "
+                f"samples ({num_samples})"
+            )
+        if seed < 0:
+            raise DataError(f"data.seed={seed} must be >= 0")
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.shuffle, self.seed = shuffle, seed
+        self.epoch, self.position = 0, 0
+        self._perm_epoch = -1
+        self._perm: np.ndarray = np.arange(num_samples)
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm_epoch != self.epoch:
+            if self.shuffle:
+                rng = np.random.default_rng([self.seed, self.epoch])
+                self._perm = rng.permutation(self.num_samples)
+            self._perm_epoch = self.epoch
+        return self._perm
+
+    def next_batch(self) -> list[int]:
+        """The next batch_size sample indices."""
+        if self.position + self.batch_size > self.num_samples:
+            self.epoch, self.position = self.epoch + 1, 0
+        batch = self._permutation()[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return [int(i) for i in batch]
+
+    def state_dict(self) -> dict[str, int | bool]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where a saved sampler stopped; the data and settings must be the same."""
+        missing = {"epoch", "position", "seed", "num_samples", "batch_size"} - set(state)
+        if missing:
+            raise DataError(f"sampler state lacks {sorted(missing)}; the checkpoint is incomplete")
+        for key, setting in (
+            ("num_samples", "the data set (data.train_data_paths)"),
+            ("batch_size", "data.rollout_batch_size"),
+            ("seed", "data.seed"),
+            ("shuffle", "data.shuffle"),
+        ):
+            saved, now = state.get(key, getattr(self, key)), getattr(self, key)
+            if saved != now:
+                raise DataError(
+                    f"cannot resume the prompt sampler: {key} was {saved} in the checkpoint but "
+                    f"is {now} now; resume with the same {setting}"
+                )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def encode_prompts(
+    tokenizer: Any,
+    prompts: Sequence[str],
+    max_prompt_length: int,
+    add_special_tokens: bool = True,
+    log: Callable[[str], None] = logger.warning,
+) -> list[list[int]]:
+    """Token ids of each prompt, truncated from the left to max_prompt_length.
+
+    Special tokens are added as the tokenizer does by default, as RLinf's `tokenizer.encode`
+    does: for DeepSeek-R1-Distill that is the BOS token its chat template puts before
+    `<｜User｜>`, which AReaL-boba prompts lack. A prompt that already starts with the BOS text
+    is encoded without them, so BOS never doubles. Truncation keeps the end of a prompt,
+    where the `<｜Assistant｜><think>` cue that starts the answer sits; one warning counts the
+    prompts cut.
+    """
+    bos = getattr(tokenizer, "bos_token", None)
+    encoded: list[list[int]] = []
+    for prompt in prompts:
+        special = add_special_tokens and not (bos and prompt.startswith(bos))
+        encoded.append(list(tokenizer(prompt, add_special_tokens=special)["input_ids"]))
+    too_long = [len(ids) for ids in encoded if len(ids) > max_prompt_length]
+    if too_long:
+        log(
+            f"{len(too_long)} of {len(encoded)} prompts exceed data.max_prompt_length="
+            f"{max_prompt_length} tokens (longest {max(too_long)}) and were truncated from the "
+            "left; raise data.max_prompt_length to keep them whole"
+        )
+    return [ids[-max_prompt_length:] for ids in encoded]
