@@ -1,0 +1,349 @@
+"""The postflight on real run directories: real logs, resolved config, TensorBoard event files and
+a two-shard DCP checkpoint written by two gloo processes; then one defect at a time."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from omegaconf import OmegaConf
+
+from rlinf_twoworker.demo import DemoInputs, demo_config
+from rlinf_twoworker.errors import VerificationError
+from rlinf_twoworker.verify import REQUIRED_SCALARS, require_passed, verify_run
+
+RUN_ID = "run-1"
+STEPS = 2
+STEP_LIMIT = f"Step limit given by max_steps={STEPS} reached. Stopping run"
+FULL_STATE = {"embed.weight": torch.arange(32.0).reshape(8, 4), "norm.weight": torch.ones(4)}
+
+
+def _save_shard(rank: int, world_size: int, init_file: str, checkpoint: str) -> None:
+    """One FSDP-like rank: its half of every tensor as a DTensor, saved with DCP over gloo."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in FULL_STATE.items()}
+    dcp.save({"fsdp_checkpoint": {"model": model}}, checkpoint_id=checkpoint)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def dcp_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("dcp")
+    checkpoint = root / "dcp_checkpoint"
+    mp.spawn(_save_shard, args=(2, str(root / "init"), str(checkpoint)), nprocs=2, join=True)
+    return checkpoint
+
+
+def _series() -> dict[str, list[float]]:
+    """Steps 1 and 2 of every required scalar."""
+    return {
+        "rollout/reward_scores": [-5.0, 1.25],
+        "actor/training/actor/final_loss": [0.1, -0.05],
+        "actor/training/actor/grad_norm": [0.0, 0.3],  # 0: a step whose groups all tied, legal
+        "actor/training/actor/lr": [2e-5, 2e-5],
+    }
+
+
+def write_scalars(run_dir: Path, series: dict[str, list[float]]) -> None:
+    # Imported here, not at the top, so that _save_shard's spawned processes start faster.
+    from torch.utils.tensorboard import SummaryWriter
+
+    shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+    writer = SummaryWriter(str(run_dir / "tensorboard"))
+    for tag, values in series.items():
+        for step, value in enumerate(values, start=1):
+            writer.add_scalar(tag, value, step)
+    writer.close()
+
+
+def write_config(run_dir: Path, overrides: Sequence[str] = (), **edits: Any) -> None:
+    """The resolved config as the run saves it, then `edits` ('a__b' = 'a.b') on the YAML."""
+    inputs = DemoInputs(run_dir, run_dir / "model", run_dir / "data" / "demo-math.jsonl")
+    cfg = OmegaConf.to_container(demo_config(inputs, run_dir.parent, run_dir.name, overrides))
+    for dotted, value in edits.items():
+        *parents, leaf = dotted.split("__")
+        node = cfg
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    path = run_dir / "hydra" / ".hydra" / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(cfg), path)
+
+
+def _write_logs(run_dir: Path) -> None:
+    (run_dir / "log").mkdir(parents=True, exist_ok=True)
+    (run_dir / "log" / "main.log").write_text(
+        "2025-01-01 00:00:00 step 1 done\n2025-01-01 00:00:09 step 2 done\n"
+        f"2025-01-01 00:00:10 {STEP_LIMIT}\n"
+    )
+    (run_dir / "driver.log").write_text(
+        "WORKER_TOPOLOGY=rank=0 role=Ray Head host=head gpu_count=2 gpu=cpu\n"
+        "WORKER_TOPOLOGY=rank=1 role=Ray Worker host=worker gpu_count=2 gpu=cpu\n"
+        "RLINF_PREFLIGHT_STATUS=passed\n"
+        f"{STEP_LIMIT}\nRLINF_PYTHON_EXIT_CODE=0\n"
+    )
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path, dcp_template: Path) -> Path:
+    """A complete, passing run directory <tmp>/runs/run-1."""
+    run = tmp_path / "runs" / RUN_ID
+    run.mkdir(parents=True)
+    _write_logs(run)
+    write_config(run)
+    write_scalars(run, _series())
+    checkpoint = run / "checkpoints" / f"global_step_{STEPS}"
+    shutil.copytree(dcp_template, checkpoint / "actor" / "dcp_checkpoint")
+    (checkpoint / "data").mkdir()
+    torch.save({"epoch": 0, "consumed": 16, "seed": 1234}, checkpoint / "data" / "data.pt")
+    nodes = [{"node_rank": i, "hostname": h, "gpu_count": 2} for i, h in enumerate("ab")]
+    (run / "preflight.json").write_text(json.dumps({"passed": True, "nodes": nodes}))
+    return run
+
+
+def _verify(run: Path, **kwargs: Any) -> tuple[Any, list[str]]:
+    lines: list[str] = []
+    report = verify_run(run, STEPS, 2, log=lines.append, **kwargs)
+    return report, lines
+
+
+def test_complete_run_passes(run_dir: Path) -> None:
+    report, lines = _verify(run_dir)
+    assert report.errors == []
+    assert report.passed
+    require_passed(report)
+    assert report.actor_fsdp_shards == 2
+    assert set(report.checkpoint_files) >= {
+        "actor/dcp_checkpoint/.metadata",
+        "actor/dcp_checkpoint/__0_0.distcp",
+        "actor/dcp_checkpoint/__1_0.distcp",
+        "data/data.pt",
+    }
+    lr = report.metrics["actor/training/actor/lr"]
+    assert (lr["step"], lr["steps"], lr["value"]) == (2, [1, 2], pytest.approx(2e-5))
+    assert report.placement["actor"] == {"spec": "2-3", "resource_ranks": [2, 3], "nodes": [1]}
+    assert [w["hostname"] for w in report.workers] == ["a", "b"]
+    for tag in REQUIRED_SCALARS:
+        assert any(line.startswith(f"GRPO_METRIC={tag} step=2 value=") for line in lines)
+    assert "ACTOR_FSDP_SHARDS=2" in lines
+    assert f"CHECKPOINT_DIR={run_dir.resolve()}/checkpoints/global_step_2" in lines
+    assert lines[-1] == "RLINF_VERIFICATION_STATUS=passed"
+    written = json.loads((run_dir / "verification.json").read_text())
+    assert written == json.loads(json.dumps(report.to_dict()))
+    assert written["target_steps"] == STEPS
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoint_shards_form_one_loadable_checkpoint(run_dir: Path) -> None:
+    state = {"fsdp_checkpoint": {"model": {k: torch.zeros_like(v) for k, v in FULL_STATE.items()}}}
+    checkpoint = run_dir / "checkpoints" / "global_step_2" / "actor" / "dcp_checkpoint"
+    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    for key, tensor in FULL_STATE.items():
+        assert torch.equal(state["fsdp_checkpoint"]["model"][key], tensor)
+
+
+def test_write_false_leaves_the_directory_alone(run_dir: Path) -> None:
+    report, _ = _verify(run_dir, write=False)
+    assert report.passed
+    assert not (run_dir / "verification.json").exists()
+
+
+def _append(relative: str, line: str) -> Callable[[Path], None]:
+    def edit(run: Path) -> None:
+        with open(run / relative, "a") as handle:
+            handle.write(line + "\n")
+
+    return edit
+
+
+def _drop_lines(relative: str, text: str) -> Callable[[Path], None]:
+    def edit(run: Path) -> None:
+        path = run / relative
+        kept = [ln for ln in path.read_text().splitlines() if text not in ln]
+        path.write_text("".join(f"{ln}\n" for ln in kept))
+
+    return edit
+
+
+def _remove(relative: str, truncate: bool = False) -> Callable[[Path], None]:
+    """Delete (or empty) a file or folder of the step-2 checkpoint."""
+
+    def edit(run: Path) -> None:
+        path = run / "checkpoints" / "global_step_2" / relative
+        if truncate:
+            path.write_bytes(b"")
+        elif path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+    return edit
+
+
+def _scalars(**changes: list[float] | None) -> Callable[[Path], None]:
+    tags = {tag.rsplit("/", 1)[-1]: tag for tag in REQUIRED_SCALARS}
+
+    def edit(run: Path) -> None:
+        series = _series()
+        for short, values in changes.items():
+            if values is None:
+                del series[tags[short]]
+            else:
+                series[tags[short]] = values
+        write_scalars(run, series)
+
+    return edit
+
+
+def _config(**edits: Any) -> Callable[[Path], None]:
+    return lambda run: write_config(run, **edits)
+
+
+def _both(*edits: Callable[[Path], None]) -> Callable[[Path], None]:
+    def edit_all(run: Path) -> None:
+        for edit in edits:
+            edit(run)
+
+    return edit_all
+
+
+FAILURES = {
+    "traceback": (
+        _append("driver.log", "Traceback (most recent call last):"),
+        ["driver.log line 6", "Traceback (most recent call last)"],
+    ),
+    "hydra-error": (
+        _append("log/main.log", "Error executing job with overrides: []"),
+        ["main.log line 4"],
+    ),
+    "ray-task-error": (
+        _append("log/main.log", "ray.exceptions.RayTaskError(ValueError)"),
+        ["RayTaskError("],
+    ),
+    "actor-died": (
+        _append("driver.log", "ray.exceptions.ActorDiedError: dead"),
+        ["ActorDiedError"],
+    ),
+    "oom": (
+        _append("log/main.log", "torch.OutOfMemoryError: CUDA out of memory."),
+        ["CUDA out of memory"],
+    ),
+    "preflight-failed": (
+        _append("driver.log", "RLINF_PREFLIGHT_STATUS=failed error=x"),
+        ["RLINF_PREFLIGHT_STATUS=failed"],
+    ),
+    "no-exit-code": (
+        _drop_lines("driver.log", "RLINF_PYTHON_EXIT_CODE"),
+        ["RLINF_PYTHON_EXIT_CODE=0", "there is none"],
+    ),
+    "exit-code-1": (_append("driver.log", "RLINF_PYTHON_EXIT_CODE=1"), ["the last one says '1'"]),
+    "no-step-limit": (
+        _both(_drop_lines("driver.log", "Step limit"), _drop_lines("log/main.log", "Step limit")),
+        [STEP_LIMIT],
+    ),
+    "no-main-log": (lambda run: (run / "log" / "main.log").unlink(), ["main.log cannot be read"]),
+    "actor-as-int-list": (
+        _config(cluster__component_placement__actor=[2, 3]),
+        ["component_placement", "[2, 3]"],
+    ),
+    "actor-as-int": (
+        _config(cluster__component_placement__actor=2),
+        ["component_placement", "'actor': 2"],
+    ),
+    "rollout-as-string": (_config(cluster__component_placement__rollout="0"), ["'rollout': '0'"]),
+    "num-nodes": (_config(cluster__num_nodes=1), ["cluster.num_nodes is 1", "2"]),
+    "max-steps": (_config(runner__max_steps=3), ["runner.max_steps is 3"]),
+    "output-dir": (_config(runner__output_dir="/elsewhere"), ["runner.output_dir is '/elsewhere'"]),
+    "experiment-name": (
+        _config(runner__experiment_name="run-2"),
+        ["runner.experiment_name is 'run-2'"],
+    ),
+    "no-config": (lambda run: shutil.rmtree(run / "hydra"), ["config.yaml cannot be loaded"]),
+    "nan-loss": (_scalars(final_loss=[0.1, math.nan]), ["final_loss", "not finite at step 2"]),
+    "inf-reward": (
+        _scalars(reward_scores=[math.inf, 0.0]),
+        ["reward_scores", "not finite at step 1"],
+    ),
+    "zero-lr": (_scalars(lr=[2e-5, 0.0]), ["actor/training/actor/lr", "not > 0"]),
+    "missing-tag": (_scalars(grad_norm=None), ["no scalar 'actor/training/actor/grad_norm'"]),
+    "no-events": (lambda run: shutil.rmtree(run / "tensorboard"), ["events.out.tfevents"]),
+    "no-metadata": (_remove("actor/dcp_checkpoint/.metadata"), [".metadata is missing or empty"]),
+    "one-shard": (_remove("actor/dcp_checkpoint/__1_0.distcp"), ["1 non-empty *.distcp shard"]),
+    "empty-shard": (
+        _remove("actor/dcp_checkpoint/__1_0.distcp", truncate=True),
+        ["1 non-empty *.distcp shard", "__1_0.distcp"],
+    ),
+    "no-data-pt": (_remove("data/data.pt"), ["data.pt is missing or empty"]),
+    "no-checkpoint": (_remove(""), ["global_step_2 is missing"]),
+    "preflight-json-failed": (
+        lambda run: (run / "preflight.json").write_text('{"passed": false, "errors": ["gpu"]}'),
+        ["preflight.json says the preflight failed"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(FAILURES))
+def test_each_defect_fails_and_is_named(run_dir: Path, name: str) -> None:
+    edit, expected = FAILURES[name]
+    edit(run_dir)
+    report, lines = _verify(run_dir)
+    assert not report.passed
+    assert len(report.errors) == 1, report.errors
+    for text in expected:
+        assert text in report.errors[0]
+    assert (
+        lines[-1] == f"RLINF_VERIFICATION_STATUS=failed error={' '.join(report.errors[0].split())}"
+    )
+    assert json.loads((run_dir / "verification.json").read_text())["passed"] is False
+    with pytest.raises(VerificationError, match="1 error"):
+        require_passed(report)
+
+
+def test_nan_is_written_as_a_string(run_dir: Path) -> None:
+    _scalars(final_loss=[0.1, math.nan])(run_dir)
+    report, lines = _verify(run_dir)
+    assert "GRPO_METRIC=actor/training/actor/final_loss step=2 value=nan" in lines
+    written = json.loads((run_dir / "verification.json").read_text(), parse_constant=pytest.fail)
+    assert written["metrics"]["actor/training/actor/final_loss"]["value"] == "nan"
+
+
+def test_other_placement_can_be_expected(run_dir: Path) -> None:
+    placement = {"rollout": 0, "inference": 1, "actor": [2, 3], "reward": 0}
+    write_config(run_dir, cluster__component_placement=placement)
+    assert _verify(run_dir, expected_placement=placement)[0].passed
+    assert not _verify(run_dir)[0].passed
+
+
+def test_missing_run_dir_fails_without_writing(tmp_path: Path) -> None:
+    report, lines = _verify(tmp_path / "runs" / "nope")
+    assert not report.passed
+    assert "does not exist" in report.errors[0]
+    assert lines[-1].startswith("RLINF_VERIFICATION_STATUS=failed error=run directory")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_several_defects_are_all_listed(run_dir: Path) -> None:
+    _append("driver.log", "Traceback (most recent call last):")(run_dir)
+    _remove("data/data.pt")(run_dir)
+    report, _ = _verify(run_dir)
+    assert len(report.errors) == 2
+    with pytest.raises(VerificationError) as info:
+        require_passed(report)
+    assert "2 error(s)" in str(info.value)
+    assert "Traceback" in str(info.value) and "data.pt" in str(info.value)
