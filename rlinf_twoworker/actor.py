@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from rlinf_twoworker.algorithm import lr_at, ppo_clip_loss
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.models import SequenceBatch, dtype_for, load_causal_lm, response_logprobs
-from rlinf_twoworker.weight_sync import send_weights, state_digest
+from rlinf_twoworker.weight_sync import send_weights, state_digest, weights_digest
 from rlinf_twoworker.worker import Worker
 
 
@@ -54,17 +54,34 @@ class ActorWorker(Worker):
         self.model = model
         optim = cfg.actor.optim
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2),
-            eps=optim.adam_eps, weight_decay=optim.weight_decay,
-            fused=self.device.type == "cuda")
+            model.parameters(),
+            lr=optim.lr,
+            betas=(optim.adam_beta1, optim.adam_beta2),
+            eps=optim.adam_eps,
+            weight_decay=optim.weight_decay,
+            fused=self.device.type == "cuda",
+        )
         sched = cfg.actor.lr_sched
         total = cfg.runner.max_steps * cfg.algorithm.n_minibatches
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_at(
-            step, optim.lr, sched.lr_decay_style, sched.lr_warmup_iters, sched.lr_warmup_init,
-            sched.min_lr, total) / optim.lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: (
+                lr_at(
+                    step,
+                    optim.lr,
+                    sched.lr_decay_style,
+                    sched.lr_warmup_iters,
+                    sched.lr_warmup_init,
+                    sched.min_lr,
+                    total,
+                )
+                / optim.lr
+            ),
+        )
 
-    def _minibatch(self, batch: SequenceBatch, old: torch.Tensor, adv: torch.Tensor,
-                   norm: float) -> dict[str, float]:
+    def _minibatch(
+        self, batch: SequenceBatch, old: torch.Tensor, adv: torch.Tensor, norm: float
+    ) -> dict[str, float]:
         """Accumulate gradients over micro-batches, clip, step. `norm` = global aggregation
         denominator (valid tokens or sequences of the whole minibatch, all ranks)."""
         algo, world = self.cfg.algorithm, dist.get_world_size(self.actor_group)
@@ -77,36 +94,58 @@ class ActorWorker(Worker):
             part = batch.rows(rows).to(self.device)
             logprobs = response_logprobs(self.model, part)
             loss, metrics = ppo_clip_loss(
-                logprobs, old[rows].to(self.device), adv[rows].to(self.device),
-                part.response_mask, clip_eps=algo.ratio_clip_eps, agg=algo.loss_agg_func)
+                logprobs,
+                old[rows].to(self.device),
+                adv[rows].to(self.device),
+                part.response_mask,
+                clip_eps=algo.ratio_clip_eps,
+                agg=algo.loss_agg_func,
+            )
             weight = float(part.response_mask.sum()) if token_mean else float(len(part))
             (loss * (weight / norm) * world).backward()
             tokens = float(part.response_mask.sum())
-            sums += torch.tensor([float(loss.detach()) * weight / norm, float(metrics["clip_fraction"])
-                                  * tokens, float(metrics["approx_kl"]) * tokens, tokens],
-                                 dtype=torch.float64)
+            sums += torch.tensor(
+                [
+                    float(loss.detach()) * weight / norm,
+                    float(metrics["clip_fraction"]) * tokens,
+                    float(metrics["approx_kl"]) * tokens,
+                    tokens,
+                ],
+                dtype=torch.float64,
+            )
         clip = self.cfg.actor.optim.clip_grad
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                   clip if clip > 0 else float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), clip if clip > 0 else float("inf")
+        )
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         dist.all_reduce(sums, group=self.actor_group)
-        return {"loss": float(sums[0]), "clip_fraction": float(sums[1] / max(sums[3], 1)),
-                "approx_kl": float(sums[2] / max(sums[3], 1)), "grad_norm": float(grad_norm),
-                "lr": lr, "tokens": float(sums[3])}
+        return {
+            "loss": float(sums[0]),
+            "clip_fraction": float(sums[1] / max(sums[3], 1)),
+            "approx_kl": float(sums[2] / max(sums[3], 1)),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "tokens": float(sums[3]),
+        }
 
     def train_step(self, shards: list[dict[str, Any]]) -> dict[str, Any]:
         """One GRPO update: one optimiser step per minibatch shard given to this rank."""
         start = time.perf_counter()
         self.model.train()
-        results = [self._minibatch(s["batch"], s["old_logprobs"], s["advantages"], s["norm"])
-                   for s in shards]
+        results = [
+            self._minibatch(s["batch"], s["old_logprobs"], s["advantages"], s["norm"])
+            for s in shards
+        ]
         keys = ("loss", "clip_fraction", "approx_kl", "grad_norm")
         metrics = {k: sum(r[k] for r in results) / len(results) for k in keys}
-        metrics.update(lr=results[-1]["lr"], trained_tokens=sum(r["tokens"] for r in results),
-                       seconds=time.perf_counter() - start)
+        metrics.update(
+            lr=results[-1]["lr"],
+            trained_tokens=sum(r["tokens"] for r in results),
+            seconds=time.perf_counter() - start,
+        )
         return metrics
 
     def send_weights(self, sync_dtype: str) -> dict[str, float]:
@@ -119,8 +158,14 @@ class ActorWorker(Worker):
     def _state(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         rng = {f"rank_{self.rank}": torch.get_rng_state()}
-        return {"fsdp_checkpoint": {"model": model_sd, "optimizers": optim_sd,
-                                    "lr_schedulers": self.scheduler.state_dict(), "rng": rng}}
+        return {
+            "fsdp_checkpoint": {
+                "model": model_sd,
+                "optimizers": optim_sd,
+                "lr_schedulers": self.scheduler.state_dict(),
+                "rng": rng,
+            }
+        }
 
     def save_checkpoint(self, path: str) -> dict[str, Any]:
         """Write this rank's DCP shard (a collective of the actor group)."""
@@ -134,10 +179,17 @@ class ActorWorker(Worker):
         state = self._state()
         dcp.load(state, checkpoint_id=path, process_group=self.actor_group)
         inner = state["fsdp_checkpoint"]
-        set_state_dict(self.model, self.optimizer, model_state_dict=inner["model"],
-                       optim_state_dict=inner["optimizers"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=inner["model"],
+            optim_state_dict=inner["optimizers"],
+        )
         self.scheduler.load_state_dict(inner["lr_schedulers"])
         torch.set_rng_state(inner["rng"][f"rank_{self.rank}"])
 
     def weights(self) -> dict[str, torch.Tensor]:
         return state_digest(self.model)
+
+    def weights_digest(self, sync_dtype: str) -> str:
+        return weights_digest(self.model, getattr(torch, sync_dtype))

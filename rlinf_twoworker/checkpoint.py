@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,8 +20,7 @@ import torch
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.errors import TwoWorkerError
 from rlinf_twoworker.results import CheckpointInfo
-from rlinf_twoworker.rundir import (checkpoint_dir, complete_checkpoint_steps,
-                                    staging_checkpoint_dir)
+from rlinf_twoworker.rundir import checkpoint_dir, complete_checkpoint_steps, staging_checkpoint_dir
 
 if TYPE_CHECKING:
     from rlinf_twoworker.components import ComponentGroup
@@ -47,26 +47,37 @@ def _fsync_tree(root: Path) -> None:
 
 
 def files_of(directory: Path) -> dict[str, int]:
-    return {str(p.relative_to(directory)): p.stat().st_size
-            for p in sorted(Path(directory).rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(Path(directory).rglob("*"))
+        if p.is_file()
+    }
 
 
-async def save(group: ComponentGroup, cfg: GRPOConfig, run_dir: Path, step: int,
-               data_state: dict[str, Any]) -> CheckpointInfo:
+async def save(
+    group: ComponentGroup, cfg: GRPOConfig, run_dir: Path, step: int, data_state: dict[str, Any]
+) -> CheckpointInfo:
     """All actor ranks write their DCP shards, then data.pt, then the rename makes it final."""
     staging = staging_checkpoint_dir(run_dir, step)
     final = checkpoint_dir(run_dir, step)
     if staging.exists():  # left by a crash of an earlier attempt: never complete, so safe
         shutil.rmtree(staging)
     (staging / DATA_FILE).parent.mkdir(parents=True)
-    await group.call_each(group.actors(), "save_checkpoint", str(staging / DCP_SUBDIR),
-                          timeout=cfg.runner.timeouts.checkpoint_s, stage=f"checkpoint {step}")
+    await group.call_each(
+        group.actors(),
+        "save_checkpoint",
+        str(staging / DCP_SUBDIR),
+        timeout=cfg.runner.timeouts.checkpoint_s,
+        stage=f"checkpoint {step}",
+    )
     torch.save(data_state, staging / DATA_FILE)
     _fsync_tree(staging)
     os.rename(staging, final)
     _fsync_dir(final.parent)
     prune(run_dir, cfg.runner.keep_last_checkpoints)
-    return CheckpointInfo(step=step, directory=str(final), files=files_of(final))
+    return CheckpointInfo(
+        step=step, directory=str(final), files=files_of(final), finished_at=time.time()
+    )
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -101,11 +112,16 @@ def resume_source(cfg: GRPOConfig, run_dir: Path) -> Path | None:
     if not value:
         return None
     if value == "auto":
-        runs = [p for p in Path(cfg.runner.output_dir).iterdir()
-                if p.is_dir() and p.resolve() != Path(run_dir).resolve() and last_complete(p)]
+        runs = [
+            p
+            for p in Path(cfg.runner.output_dir).iterdir()
+            if p.is_dir() and p.resolve() != Path(run_dir).resolve() and last_complete(p)
+        ]
         if not runs:
-            raise TwoWorkerError(f"runner.resume_dir=auto found no run with a complete "
-                                 f"checkpoint under {cfg.runner.output_dir}")
+            raise TwoWorkerError(
+                f"runner.resume_dir=auto found no run with a complete "
+                f"checkpoint under {cfg.runner.output_dir}"
+            )
         newest = max(runs, key=lambda p: (last_complete(p).stat().st_mtime, p.name))
         return last_complete(newest)
     path = Path(value)
@@ -113,8 +129,10 @@ def resume_source(cfg: GRPOConfig, run_dir: Path) -> Path | None:
         return path
     found = last_complete(path)
     if found is None:
-        raise TwoWorkerError(f"runner.resume_dir={value}: no complete checkpoint there "
-                             "(checkpoints/global_step_<N>/ with actor/dcp_checkpoint/.metadata)")
+        raise TwoWorkerError(
+            f"runner.resume_dir={value}: no complete checkpoint there "
+            "(checkpoints/global_step_<N>/ with actor/dcp_checkpoint/.metadata)"
+        )
     return found
 
 
@@ -126,14 +144,20 @@ def load_data_state(checkpoint: Path) -> dict[str, Any]:
     return torch.load(checkpoint / DATA_FILE, weights_only=True)
 
 
-async def restore(group: ComponentGroup, cfg: GRPOConfig, checkpoint: Path,
-                  log: RunLog) -> int:
+async def restore(group: ComponentGroup, cfg: GRPOConfig, checkpoint: Path, log: RunLog) -> int:
     """Load model, optimiser, lr schedule and RNG on every actor rank; returns the step."""
     step = step_of(checkpoint)
     if step >= cfg.runner.max_steps:
-        raise TwoWorkerError(f"resume checkpoint {checkpoint} is at step {step}, but "
-                             f"runner.max_steps={cfg.runner.max_steps}: ask for more steps")
-    await group.call_each(group.actors(), "load_checkpoint", str(checkpoint / DCP_SUBDIR),
-                          timeout=cfg.runner.timeouts.checkpoint_s, stage="resume")
+        raise TwoWorkerError(
+            f"resume checkpoint {checkpoint} is at step {step}, but "
+            f"runner.max_steps={cfg.runner.max_steps}: ask for more steps"
+        )
+    await group.call_each(
+        group.actors(),
+        "load_checkpoint",
+        str(checkpoint / DCP_SUBDIR),
+        timeout=cfg.runner.timeouts.checkpoint_s,
+        stage="resume",
+    )
     log.info(f"RESUMED_FROM={checkpoint} step={step}")
     return step

@@ -41,16 +41,26 @@ class RewardWorker:
         import os
         import socket
 
-        return {"component": "reward", "rank": self.rank, "host": socket.gethostname(),
-                "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "node_id": ctx.get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+        return {
+            "component": "reward",
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "node_id": ctx.get_node_id(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        }
 
     def ping(self) -> bool:
         return True
 
 
-CLASSES = {"rollout": RolloutWorker, "reward": RewardWorker, "inference": InferenceWorker,
-           "actor": ActorWorker}
+CLASSES = {
+    "rollout": RolloutWorker,
+    "reward": RewardWorker,
+    "inference": InferenceWorker,
+    "actor": ActorWorker,
+}
 
 
 @dataclass
@@ -63,8 +73,14 @@ class Member:
 class ComponentGroup:
     """Every component process of one run, with where each one lives."""
 
-    def __init__(self, cfg: GRPOConfig, run_id: str, placement: Placement, pg: Any,
-                 classes: dict[str, type] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: GRPOConfig,
+        run_id: str,
+        placement: Placement,
+        pg: Any,
+        classes: dict[str, type] | None = None,
+    ) -> None:
         self.cfg, self.run_id, self.placement, self.pg = cfg, run_id, placement, pg
         self.classes = {**CLASSES, **(classes or {})}
         self.members: dict[str, list[Member]] = {}
@@ -77,16 +93,21 @@ class ComponentGroup:
             cls = self.classes[slot.component]
             options = scheduling_options(self.pg, self.placement, slot)
             remote = ray.remote(cls).options(
-                name=f"{self.run_id}:{slot.component}:{slot.rank}", namespace=NAMESPACE,
+                name=f"{self.run_id}:{slot.component}:{slot.rank}",
+                namespace=NAMESPACE,
                 max_concurrency=4 if slot.component == "reward" else 1,
-                runtime_env={"env_vars": env}, max_restarts=0, **options)
+                runtime_env={"env_vars": env},
+                max_restarts=0,
+                **options,
+            )
             handle = remote.remote(self.cfg, slot.rank)
             self.members.setdefault(slot.component, []).append(Member(slot, handle, {}))
 
     async def wait_started(self) -> None:
         members = self.all()
-        wheres = await self.call_each(members, "where", timeout=self.timeouts.actor_start_s,
-                                      stage="start")
+        wheres = await self.call_each(
+            members, "where", timeout=self.timeouts.actor_start_s, stage="start"
+        )
         for member, where in zip(members, wheres):
             member.where = where
 
@@ -103,37 +124,65 @@ class ComponentGroup:
         w = member.where
         return f"{w.get('host', '?')}/{w.get('ip', '?')} node {str(w.get('node_id', '?'))[:8]}"
 
-    async def call(self, member: Member, method: str, *args: Any, timeout: float,
-                   stage: str) -> Any:
+    async def call(
+        self, member: Member, method: str, *args: Any, timeout: float, stage: str
+    ) -> Any:
         """One remote call with a timeout; any failure names component, rank and node."""
         ref = getattr(member.handle, method).remote(*args)
         try:
             return await asyncio.wait_for(ref, timeout)
         except asyncio.TimeoutError:
-            raise ComponentError(member.slot.component, member.slot.rank, self.describe(member),
-                                 f"{stage} ({method}) did not finish within {timeout:g} s; "
-                                 "raise runner.timeouts or look at the component's log") from None
+            raise ComponentError(
+                member.slot.component,
+                member.slot.rank,
+                self.describe(member),
+                f"{stage} ({method}) did not finish within {timeout:g} s; "
+                "raise runner.timeouts or look at the component's log",
+            ) from None
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            raise ComponentError(member.slot.component, member.slot.rank, self.describe(member),
-                                 f"{stage} ({method}) failed: {_short(exc)}") from exc
+            raise ComponentError(
+                member.slot.component,
+                member.slot.rank,
+                self.describe(member),
+                f"{stage} ({method}) failed: {_short(exc)}",
+            ) from exc
 
-    async def call_each(self, members: list[Member], method: str, *args: Any, timeout: float,
-                        stage: str, per_member: list[tuple] | None = None) -> list[Any]:
+    async def call_each(
+        self,
+        members: list[Member],
+        method: str,
+        *args: Any,
+        timeout: float,
+        stage: str,
+        per_member: list[tuple] | None = None,
+    ) -> list[Any]:
         """The same method on several members concurrently (a collective must be entered by
         all); the first failure cancels the wait on the others and is raised."""
-        calls = [self.call(m, method, *(per_member[i] if per_member else args), timeout=timeout,
-                           stage=stage) for i, m in enumerate(members)]
+        calls = [
+            self.call(
+                m, method, *(per_member[i] if per_member else args), timeout=timeout, stage=stage
+            )
+            for i, m in enumerate(members)
+        ]
         return list(await asyncio.gather(*calls))
 
     def topology(self) -> list[Placed]:
         rows = []
         for m in self.all():
-            rows.append(Placed(m.slot.component, m.slot.rank, m.slot.bundle,
-                               m.slot.resource_rank, str(m.where.get("node_id", "")),
-                               str(m.where.get("ip", "")), list(m.where.get("gpu_ids", [])),
-                               int(m.where.get("pid", 0))))
+            rows.append(
+                Placed(
+                    m.slot.component,
+                    m.slot.rank,
+                    m.slot.bundle,
+                    m.slot.resource_rank,
+                    str(m.where.get("node_id", "")),
+                    str(m.where.get("ip", "")),
+                    list(m.where.get("gpu_ids", [])),
+                    int(m.where.get("pid", 0)),
+                )
+            )
         return rows
 
     def kill(self) -> None:

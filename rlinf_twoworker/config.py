@@ -339,7 +339,19 @@ class AlgorithmConfig:
         _require(
             self.ratio_clip_eps > 0, "algorithm.ratio_clip_eps", self.ratio_clip_eps, "must be > 0"
         )
-        _require(self.kl_beta >= 0, "algorithm.kl_beta", self.kl_beta, "must be >= 0")
+        _require(
+            self.kl_beta == 0,
+            "algorithm.kl_beta",
+            self.kl_beta,
+            "must be 0: no reference model is loaded, so a KL penalty has no reference",
+        )
+        _require(
+            self.recompute_logprobs,
+            "algorithm.recompute_logprobs",
+            self.recompute_logprobs,
+            "must be true: the inference component recomputes "
+            "the old log-probabilities of every answer",
+        )
         _require(
             self.kl_penalty_type in ("kl", "abs", "mse", "low_var_kl"),
             "algorithm.kl_penalty_type",
@@ -361,6 +373,9 @@ class RolloutConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     max_batch_size: int = 256
     """Most sequences decoded together (prompts x group_size are split into such batches)."""
+    validate_weight: bool = False
+    """After every weight sync, compare digests of the actor's, rollout's and inference's full
+    weights and fail the step on any difference (costs one more gather of the weights)."""
 
     def __post_init__(self) -> None:
         _require(

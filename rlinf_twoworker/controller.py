@@ -25,7 +25,12 @@ from rlinf_twoworker.errors import RunCancelledError
 from rlinf_twoworker.grpo_step import run_step, sync_weights
 from rlinf_twoworker.metrics import MetricsWriter
 from rlinf_twoworker.models import load_tokenizer
-from rlinf_twoworker.placement import create_placement_group, resolve_placement, wait_removed
+from rlinf_twoworker.placement import (
+    placement_timeout_error,
+    request_placement_group,
+    resolve_placement,
+    wait_removed,
+)
 from rlinf_twoworker.results import CheckpointInfo, StepResult
 from rlinf_twoworker.rundir import FAILURE_JSON, RunLog, atomic_write_text
 
@@ -94,10 +99,15 @@ class RunController:
         return [p.to_dict() for p in self.group.topology()] if self.group else []
 
     def status(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "state": self.state, "step": self.current_step,
-                "max_steps": self.cfg.runner.max_steps, "metrics": dict(self.last),
-                "error": None if self.error is None else str(self.error),
-                "elapsed_s": time.time() - self.started_at}
+        return {
+            "run_id": self.run_id,
+            "state": self.state,
+            "step": self.current_step,
+            "max_steps": self.cfg.runner.max_steps,
+            "metrics": dict(self.last),
+            "error": None if self.error is None else str(self.error),
+            "elapsed_s": time.time() - self.started_at,
+        }
 
     async def cancel(self) -> bool:
         if self.task is not None and not self.task.done():
@@ -129,35 +139,45 @@ class RunController:
 
         cfg, timeouts = self.cfg, self.cfg.runner.timeouts
         placement = resolve_placement(cfg.cluster)
-        self.pg = await asyncio.to_thread(create_placement_group, cfg.cluster,
-                                          f"{self.run_id}:pg", timeouts.placement_s)
+        name = f"{self.run_id}:pg"
+        self.pg = request_placement_group(cfg.cluster, name)  # set first: release finds it
+        try:
+            await asyncio.wait_for(self.pg.ready(), timeouts.placement_s)
+        except asyncio.TimeoutError:
+            raise placement_timeout_error(cfg.cluster, name, timeouts.placement_s) from None
         self.placement_f.set(self.pg)
-        report = await asyncio.to_thread(run_preflight, cfg, self.pg, self.run_dir,
-                                         self.log.status)
+        report = await asyncio.to_thread(run_preflight, cfg, self.pg, self.run_dir, self.log.status)
         self.preflight_f.set(report)
         self.group = ComponentGroup(cfg, self.run_id, placement, self.pg, self.classes)
         self.group.start()
         await self.group.wait_started()
         await self._join_process_groups()
         for row in self.group.topology():
-            self.log.info(f"COMPONENT {row.component}:{row.rank} bundle={row.bundle} "
-                          f"node={row.node_id[:8]} ip={row.node_ip} gpus={row.gpu_ids}")
+            self.log.info(
+                f"COMPONENT {row.component}:{row.rank} bundle={row.bundle} "
+                f"node={row.node_id[:8]} ip={row.node_ip} gpus={row.gpu_ids}"
+            )
 
     async def _join_process_groups(self) -> None:
         group, timeout = self.group, self.cfg.runner.timeouts.collective_s
         actors = group.actors()
         consumers = [group.one("rollout"), group.one("inference")]
         members = actors + consumers
-        master = await group.call(actors[0], "rendezvous_address", timeout=timeout,
-                                  stage="rendezvous")
+        master = await group.call(
+            actors[0], "rendezvous_address", timeout=timeout, stage="rendezvous"
+        )
         actor_ranks = list(range(len(actors)))
         consumer_ranks = [len(actors), len(actors) + 1]
-        args = [(tuple(master), i, len(members), actor_ranks, consumer_ranks)
-                for i in range(len(members))]
-        await group.call_each(members, "join", timeout=timeout, stage="process group",
-                              per_member=args)
-        await group.call_each(actors, "build", timeout=self.cfg.runner.timeouts.actor_start_s,
-                              stage="actor build")
+        args = [
+            (tuple(master), i, len(members), actor_ranks, consumer_ranks)
+            for i in range(len(members))
+        ]
+        await group.call_each(
+            members, "join", timeout=timeout, stage="process group", per_member=args
+        )
+        await group.call_each(
+            actors, "build", timeout=self.cfg.runner.timeouts.actor_start_s, stage="actor build"
+        )
         self.resume_from = ckpt.resume_source(self.cfg, self.run_dir)
         if self.resume_from is not None:
             self.resume_step = await ckpt.restore(group, self.cfg, self.resume_from, self.log)
@@ -166,10 +186,16 @@ class RunController:
     async def _train(self) -> None:
         cfg = self.cfg
         data = cfg.data
-        samples = await asyncio.to_thread(load_jsonl, data.train_data_paths, data.prompt_key,
-                                          data.answer_key, data.skip_malformed_lines)
-        tokenizer = load_tokenizer(cfg.actor.tokenizer.tokenizer_model
-                                   or cfg.actor.model.model_path)
+        samples = await asyncio.to_thread(
+            load_jsonl,
+            data.train_data_paths,
+            data.prompt_key,
+            data.answer_key,
+            data.skip_malformed_lines,
+        )
+        tokenizer = load_tokenizer(
+            cfg.actor.tokenizer.tokenizer_model or cfg.actor.model.model_path
+        )
         sampler = PromptSampler(len(samples), data.rollout_batch_size, data.shuffle, data.seed)
         if self.resume_step:
             sampler.load_state_dict(ckpt.load_data_state(self.resume_from)["sampler"])
@@ -178,25 +204,34 @@ class RunController:
             for step in range(self.resume_step + 1, cfg.runner.max_steps + 1):
                 self.current_step = step
                 indices = sampler.next_batch()
-                prompts = encode_prompts(tokenizer, [samples[i].prompt for i in indices],
-                                         data.max_prompt_length, log=self.log.info)
-                result = await run_step(self.group, cfg, step, prompts,
-                                        [samples[i].solutions for i in indices])
+                prompts = encode_prompts(
+                    tokenizer,
+                    [samples[i].prompt for i in indices],
+                    data.max_prompt_length,
+                    log=self.log.info,
+                )
+                result = await run_step(
+                    self.group, cfg, step, prompts, [samples[i].solutions for i in indices]
+                )
                 self.last = {**result.metrics, **result.timings}
                 writer.write(step, self.last)
                 self.log.info(_step_line(step, cfg.runner.max_steps, result))
                 self.steps[step].set(result)
                 if step in self.checkpoints:
-                    info = await ckpt.save(self.group, cfg, self.run_dir, step,
-                                           {"sampler": sampler.state_dict(), "step": step})
+                    info = await ckpt.save(
+                        self.group,
+                        cfg,
+                        self.run_dir,
+                        step,
+                        {"sampler": sampler.state_dict(), "step": step},
+                    )
                     self.log.info(f"CHECKPOINT step={step} dir={info.directory}")
                     self.checkpoints[step].set(info)
         finally:
             writer.close()
         for step in range(1, self.resume_step + 1):  # steps done by the run we resumed from
             self.steps[step].set(StepResult(step, {}, {}))
-        self.log.info(f"Step limit given by max_steps={cfg.runner.max_steps} reached. "
-                      "Stopping run")
+        self.log.info(f"Step limit given by max_steps={cfg.runner.max_steps} reached. Stopping run")
         self.log.status("RLINF_PYTHON_EXIT_CODE=0")
 
     async def _finish(self) -> Any:
@@ -205,8 +240,13 @@ class RunController:
         await asyncio.to_thread(self._release)
         placement = OmegaConf.to_container(self.raw_cfg.cluster.component_placement)
         return await asyncio.to_thread(
-            verify_run, self.run_dir, self.cfg.runner.max_steps, self.cfg.cluster.num_nodes,
-            log=self.log.status, expected_placement=placement)
+            verify_run,
+            self.run_dir,
+            self.cfg.runner.max_steps,
+            self.cfg.cluster.num_nodes,
+            log=self.log.status,
+            expected_placement=placement,
+        )
 
     # ---- failure and clean-up ----------------------------------------------------------------
     def _fail(self, exc: BaseException, state: str) -> None:
@@ -216,11 +256,21 @@ class RunController:
         self.log.info(f"RUN_{state.upper()} error={type(exc).__name__}: {summary}")
         with open(self.run_dir / "log" / "main.log", "a", encoding="utf-8") as handle:
             handle.write(detail + "\n")
-        record = {"state": state, "error": str(exc), "type": type(exc).__name__,
-                  "step": self.current_step, "time": time.time()}
+        record = {
+            "state": state,
+            "error": str(exc),
+            "type": type(exc).__name__,
+            "step": self.current_step,
+            "time": time.time(),
+        }
         atomic_write_text(self.run_dir / FAILURE_JSON, json.dumps(record, indent=2))
-        for future in [*self.steps.values(), *self.checkpoints.values(), self.preflight_f,
-                       self.result_f, self.placement_f]:
+        for future in [
+            *self.steps.values(),
+            *self.checkpoints.values(),
+            self.preflight_f,
+            self.result_f,
+            self.placement_f,
+        ]:
             if not future.event.is_set():
                 future.event.set()
 
@@ -233,9 +283,11 @@ class RunController:
 
 def _step_line(step: int, max_steps: int, result: StepResult) -> str:
     m, t = result.metrics, result.timings
-    return (f"STEP {step}/{max_steps} reward={m['rollout/reward_scores']:.4f} "
-            f"loss={m['actor/training/actor/final_loss']:.6f} "
-            f"grad_norm={m['actor/training/actor/grad_norm']:.4f} "
-            f"lr={m['actor/training/actor/lr']:.3g} time={t['time/step']:.2f}s "
-            f"(rollout {t['time/rollout']:.2f}s, actor {t['time/actor/training']:.2f}s, "
-            f"sync {t['time/sync_weights']:.2f}s)")
+    return (
+        f"STEP {step}/{max_steps} reward={m['rollout/reward_scores']:.4f} "
+        f"loss={m['actor/training/actor/final_loss']:.6f} "
+        f"grad_norm={m['actor/training/actor/grad_norm']:.4f} "
+        f"lr={m['actor/training/actor/lr']:.3g} time={t['time/step']:.2f}s "
+        f"(rollout {t['time/rollout']:.2f}s, actor {t['time/actor/training']:.2f}s, "
+        f"sync {t['time/sync_weights']:.2f}s)"
+    )

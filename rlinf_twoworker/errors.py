@@ -14,6 +14,9 @@ class ConfigError(TwoWorkerError, ValueError):
         self.key, self.value, self.rule = key, value, rule
         super().__init__(f"config key '{key}' = {value!r}: {rule}")
 
+    def __reduce__(self) -> tuple:  # errors cross process boundaries through Ray
+        return (type(self), (self.key, self.value, self.rule))
+
 
 class RunDirError(TwoWorkerError):
     """The run directory cannot be created (it exists, or its parent is not writable)."""
@@ -37,6 +40,9 @@ class ComponentError(TwoWorkerError):
     def __init__(self, component: str, rank: int, node: str, cause: str) -> None:
         self.component, self.rank, self.node, self.cause = component, rank, node, cause
         super().__init__(f"component {component} rank {rank} on node {node} failed: {cause}")
+
+    def __reduce__(self) -> tuple:  # errors cross process boundaries through Ray
+        return (type(self), (self.component, self.rank, self.node, self.cause))
 
 
 class RunCancelledError(TwoWorkerError):

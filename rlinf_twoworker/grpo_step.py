@@ -25,8 +25,9 @@ def sync_dtype(cfg: GRPOConfig) -> str:
     return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.rollout.model.precision]
 
 
-def split_for_actors(cfg: GRPOConfig, batch: SequenceBatch, old: torch.Tensor,
-                     adv: torch.Tensor, ranks: int) -> list[list[dict[str, Any]]]:
+def split_for_actors(
+    cfg: GRPOConfig, batch: SequenceBatch, old: torch.Tensor, adv: torch.Tensor, ranks: int
+) -> list[list[dict[str, Any]]]:
     """Shards per actor rank: for each minibatch, a contiguous slice of its rows per rank.
 
     `norm` is the whole minibatch's aggregation denominator, so every rank scales its loss to
@@ -41,8 +42,14 @@ def split_for_actors(cfg: GRPOConfig, batch: SequenceBatch, old: torch.Tensor,
         norm = float(mask.sum()) if cfg.algorithm.loss_agg_func == "token-mean" else per_mb
         for r in range(ranks):
             rows = slice(mb * per_mb + r * per_rank, mb * per_mb + (r + 1) * per_rank)
-            shards[r].append({"batch": batch.rows(rows), "old_logprobs": old[rows],
-                              "advantages": adv[rows], "norm": max(norm, 1.0)})
+            shards[r].append(
+                {
+                    "batch": batch.rows(rows),
+                    "old_logprobs": old[rows],
+                    "advantages": adv[rows],
+                    "norm": max(norm, 1.0),
+                }
+            )
     return shards
 
 
@@ -53,42 +60,101 @@ async def sync_weights(group: ComponentGroup, cfg: GRPOConfig) -> dict[str, floa
     members = [*group.actors(), group.one("rollout"), group.one("inference")]
     methods = ["send_weights"] * len(group.actors()) + ["receive_weights"] * 2
     results = await _gather_methods(group, members, methods, (dtype,), timeout, "weight sync")
-    return {"bytes": float(results[0]["bytes"]), "seconds": max(r["seconds"] for r in results)}
+    synced = {"bytes": float(results[0]["bytes"]), "seconds": max(r["seconds"] for r in results)}
+    if cfg.rollout.validate_weight:
+        await check_weights(group, dtype, timeout)
+        synced["verified"] = 1.0
+    return synced
 
 
-async def _gather_methods(group: ComponentGroup, members: list, methods: list[str],
-                          args: tuple, timeout: float, stage: str) -> list[Any]:
+async def check_weights(group: ComponentGroup, dtype: str, timeout: float) -> None:
+    """Fail unless rollout's and inference's weights equal the actor's, bit for bit."""
+    from rlinf_twoworker.errors import ComponentError
+
+    consumers = [group.one("rollout"), group.one("inference")]
+    members = [*group.actors(), *consumers]
+    digests = await _gather_methods(
+        group, members, ["weights_digest"] * len(members), (dtype,), timeout, "weight check"
+    )
+    expected = digests[0]
+    for member, digest in zip(consumers, digests[len(group.actors()) :]):
+        if digest != expected:
+            raise ComponentError(
+                member.slot.component,
+                member.slot.rank,
+                group.describe(member),
+                f"weights differ from the actor's after the sync (digest "
+                f"{digest[:12]} != {expected[:12]}); the weight sync is broken",
+            )
+
+
+async def _gather_methods(
+    group: ComponentGroup,
+    members: list,
+    methods: list[str],
+    args: tuple,
+    timeout: float,
+    stage: str,
+) -> list[Any]:
     import asyncio
 
-    calls = [group.call(m, name, *args, timeout=timeout, stage=stage)
-             for m, name in zip(members, methods)]
+    calls = [
+        group.call(m, name, *args, timeout=timeout, stage=stage)
+        for m, name in zip(members, methods)
+    ]
     return list(await asyncio.gather(*calls))
 
 
-async def run_step(group: ComponentGroup, cfg: GRPOConfig, step: int,
-                   prompts: list[list[int]], solutions: list[list[str]]) -> StepResult:
+async def run_step(
+    group: ComponentGroup,
+    cfg: GRPOConfig,
+    step: int,
+    prompts: list[list[int]],
+    solutions: list[list[str]],
+) -> StepResult:
     """Generate, grade, recompute, update, sync; returns the step's metrics and timings."""
     timeout = cfg.runner.timeouts.step_s
     algo = cfg.algorithm
     start = time.perf_counter()
 
-    gen = await group.call(group.one("rollout"), "generate", prompts, cfg.actor.seed + step,
-                           timeout=timeout, stage=f"step {step} rollout")
+    gen = await group.call(
+        group.one("rollout"),
+        "generate",
+        prompts,
+        cfg.actor.seed + step,
+        timeout=timeout,
+        stage=f"step {step} rollout",
+    )
     batch: SequenceBatch = gen["batch"]
     answers_solutions = [s for s in solutions for _ in range(algo.group_size)]
     t = time.perf_counter()
-    graded = await group.call(group.one("reward"), "score", gen["texts"], answers_solutions,
-                              timeout=timeout, stage=f"step {step} reward")
+    graded = await group.call(
+        group.one("reward"),
+        "score",
+        gen["texts"],
+        answers_solutions,
+        timeout=timeout,
+        stage=f"step {step} reward",
+    )
     reward_s = time.perf_counter() - t
     rewards = torch.tensor(graded["scores"], dtype=torch.float32)
     advantages = group_advantages(rewards, algo.group_size)
 
-    old = await group.call(group.one("inference"), "compute_logprobs", batch, timeout=timeout,
-                           stage=f"step {step} inference")
+    old = await group.call(
+        group.one("inference"),
+        "compute_logprobs",
+        batch,
+        timeout=timeout,
+        stage=f"step {step} inference",
+    )
     shards = split_for_actors(cfg, batch, old["logprobs"], advantages, len(group.actors()))
-    trained = await group.call_each(group.actors(), "train_step", timeout=timeout,
-                                    stage=f"step {step} actor update",
-                                    per_member=[(s,) for s in shards])
+    trained = await group.call_each(
+        group.actors(),
+        "train_step",
+        timeout=timeout,
+        stage=f"step {step} actor update",
+        per_member=[(s,) for s in shards],
+    )
     synced = await sync_weights(group, cfg)
     total = time.perf_counter() - start
 
@@ -108,8 +174,14 @@ async def run_step(group: ComponentGroup, cfg: GRPOConfig, step: int,
         "throughput/generated_tokens_per_s": gen["generated_tokens"] / max(gen["seconds"], 1e-9),
         "throughput/trained_tokens_per_s": train["trained_tokens"] / max(train_s, 1e-9),
         "sync/bytes": synced["bytes"],
+        **({"sync/verified": synced["verified"]} if "verified" in synced else {}),
     }
-    timings = {"time/rollout": gen["seconds"], "time/reward": reward_s,
-               "time/inference": old["seconds"], "time/actor/training": train_s,
-               "time/sync_weights": synced["seconds"], "time/step": total}
-    return StepResult(step=step, metrics=metrics, timings=timings)
+    timings = {
+        "time/rollout": gen["seconds"],
+        "time/reward": reward_s,
+        "time/inference": old["seconds"],
+        "time/actor/training": train_s,
+        "time/sync_weights": synced["seconds"],
+        "time/step": total,
+    }
+    return StepResult(step=step, metrics=metrics, timings=timings, finished_at=time.time())

@@ -47,15 +47,19 @@ class RunHandle:
     def step(self, n: int) -> ray.ObjectRef:
         """Resolves to the StepResult of step n once it is complete."""
         if not 1 <= n <= self._typed.runner.max_steps:
-            raise ValueError(f"step {n} is outside this run's steps 1..{self._typed.runner.max_steps}")
+            raise ValueError(
+                f"step {n} is outside this run's steps 1..{self._typed.runner.max_steps}"
+            )
         return self._controller.wait_step.remote(n)
 
     def checkpoint(self, n: int) -> ray.ObjectRef:
         """Resolves to the CheckpointInfo of step n once it is complete on storage."""
         scheduled = ckpt.scheduled_steps(self._typed)
         if n not in scheduled:
-            raise ValueError(f"no checkpoint is scheduled at step {n}; this run checkpoints at "
-                             f"steps {scheduled} (runner.save_interval, and the last step)")
+            raise ValueError(
+                f"no checkpoint is scheduled at step {n}; this run checkpoints at "
+                f"steps {scheduled} (runner.save_interval, and the last step)"
+            )
         return self._controller.wait_checkpoint.remote(n)
 
     def result_ref(self) -> ray.ObjectRef:
@@ -87,8 +91,9 @@ class RunHandle:
         group are released."""
         ray.get(self._controller.cancel.remote(), timeout=timeout)
 
-    def follow(self, emit: Callable[[str], None] = print, poll_s: float = 0.5,
-               timeout: float | None = None) -> None:
+    def follow(
+        self, emit: Callable[[str], None] = print, poll_s: float = 0.5, timeout: float | None = None
+    ) -> None:
         """Emit driver.log's lines as they are written, until the run ends."""
         deadline = None if timeout is None else time.monotonic() + timeout
         path, offset = self.output_dir / DRIVER_LOG, 0
@@ -119,9 +124,11 @@ def _connect(ray_address: str | None) -> None:
     try:
         ray.init(address=ray_address or "auto", namespace=NAMESPACE, log_to_driver=False)
     except (ConnectionError, RuntimeError) as exc:
-        raise ClusterError(f"no Ray cluster reachable at {ray_address or 'auto'}: {exc}. "
-                           "Start the Driver on a node of a running cluster (the library never "
-                           "starts Ray itself) or pass ray_address.") from exc
+        raise ClusterError(
+            f"no Ray cluster reachable at {ray_address or 'auto'}: {exc}. "
+            "Start the Driver on a node of a running cluster (the library never "
+            "starts Ray itself) or pass ray_address."
+        ) from exc
 
 
 def check_cluster(cfg: GRPOConfig) -> None:
@@ -131,17 +138,23 @@ def check_cluster(cfg: GRPOConfig) -> None:
         raise ClusterError(
             f"Ray finds {len(alive)} alive node(s) but cluster.num_nodes={cfg.cluster.num_nodes}: "
             "the cluster is not what the config asks for. Wait for the workers to join, or "
-            "lower cluster.num_nodes.")
+            "lower cluster.num_nodes."
+        )
     enough = [g for g in gpus if g >= cfg.cluster.num_gpus_per_node]
     if len(enough) < cfg.cluster.num_nodes:
         raise ClusterError(
             f"{cfg.cluster.num_nodes} nodes with {cfg.cluster.num_gpus_per_node} GPUs each are "
-            f"needed; the alive nodes have GPUs {gpus}. Fix cluster.num_gpus_per_node.")
+            f"needed; the alive nodes have GPUs {gpus}. Fix cluster.num_gpus_per_node."
+        )
 
 
-def run_grpo_two_worker(cfg: DictConfig | GRPOConfig, *, ray_address: str | None = None,
-                        overrides: Sequence[str] = (),
-                        component_classes: dict[str, type] | None = None) -> RunHandle:
+def run_grpo_two_worker(
+    cfg: DictConfig | GRPOConfig,
+    *,
+    ray_address: str | None = None,
+    overrides: Sequence[str] = (),
+    component_classes: dict[str, type] | None = None,
+) -> RunHandle:
     """Start a GRPO run on the connected (or given) Ray cluster; returns at once with a handle.
 
     `overrides` are recorded in hydra/.hydra/overrides.yaml. `component_classes` replaces a
@@ -154,21 +167,32 @@ def run_grpo_two_worker(cfg: DictConfig | GRPOConfig, *, ray_address: str | None
     cfg.runner.output_dir = str(output_root)
     run_dir = run_dir_of(output_root, typed.runner.experiment_name)
     if run_dir.exists():
-        raise ConfigError("runner.experiment_name", typed.runner.experiment_name,
-                          f"run directory {run_dir} already exists; runs are never reused "
-                          "or overwritten: choose a new RUN_ID")
+        raise ConfigError(
+            "runner.experiment_name",
+            typed.runner.experiment_name,
+            f"run directory {run_dir} already exists; runs are never reused "
+            "or overwritten: choose a new RUN_ID",
+        )
     _connect(ray_address)
     check_cluster(typed)
     run_dir = create_run_dir(cfg, overrides)
-    from rlinf_twoworker.controller import RunController
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from rlinf_twoworker.controller import RunController
+
     here = ray.get_runtime_context().get_node_id()
-    controller = ray.remote(RunController).options(
-        name=f"{typed.runner.experiment_name}:controller:0", namespace=NAMESPACE,
-        num_cpus=0, max_concurrency=1000, max_restarts=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
-    ).remote(cfg, str(run_dir), component_classes)
+    controller = (
+        ray.remote(RunController)
+        .options(
+            name=f"{typed.runner.experiment_name}:controller:0",
+            namespace=NAMESPACE,
+            num_cpus=0,
+            max_concurrency=1000,
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+        )
+        .remote(cfg, str(run_dir), component_classes)
+    )
     try:
         ray.get(controller.start.remote(), timeout=typed.runner.timeouts.actor_start_s)
     except Exception as exc:

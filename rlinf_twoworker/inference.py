@@ -13,7 +13,7 @@ import torch
 
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.models import SequenceBatch, dtype_for, load_causal_lm, response_logprobs
-from rlinf_twoworker.weight_sync import receive_weights, state_digest
+from rlinf_twoworker.weight_sync import receive_weights, state_digest, weights_digest
 from rlinf_twoworker.worker import Worker
 
 
@@ -23,8 +23,7 @@ class InferenceWorker(Worker):
     def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
         super().__init__(cfg, "inference", rank)
         self.dtype = dtype_for(cfg.inference.model.precision, self.device)
-        self.model = load_causal_lm(cfg.inference.model.model_path, self.dtype,
-                                    self.device).eval()
+        self.model = load_causal_lm(cfg.inference.model.model_path, self.dtype, self.device).eval()
 
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch) -> dict[str, Any]:
@@ -44,3 +43,6 @@ class InferenceWorker(Worker):
 
     def weights(self) -> dict[str, torch.Tensor]:
         return state_digest(self.model)
+
+    def weights_digest(self, sync_dtype: str) -> str:
+        return weights_digest(self.model, getattr(torch, sync_dtype))

@@ -22,8 +22,10 @@ def device_for(accelerator: str) -> torch.device:
     """The device of this process: the GPU Ray assigned (cuda:0 after CUDA_VISIBLE_DEVICES)."""
     if accelerator == "cuda":
         if not torch.cuda.is_available():
-            raise TwoWorkerError("cluster.accelerator is 'cuda' but CUDA is not available in "
-                                 "this process; set cluster.accelerator=cpu or fix the GPU setup")
+            raise TwoWorkerError(
+                "cluster.accelerator is 'cuda' but CUDA is not available in "
+                "this process; set cluster.accelerator=cpu or fix the GPU setup"
+            )
         return torch.device("cuda", 0)
     return torch.device("cpu")
 
@@ -45,8 +47,10 @@ def load_tokenizer(path: str | Path) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
-        raise TwoWorkerError(f"cannot load a tokenizer from {path}: {exc}; the directory needs "
-                             "tokenizer_config.json and tokenizer files") from exc
+        raise TwoWorkerError(
+            f"cannot load a tokenizer from {path}: {exc}; the directory needs "
+            "tokenizer_config.json and tokenizer files"
+        ) from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -59,15 +63,18 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -
     _offline()
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise TwoWorkerError(f"model directory {path} has no config.json; point "
-                             "*.model.model_path at a Hugging Face model directory")
+        raise TwoWorkerError(
+            f"model directory {path} has no config.json; point "
+            "*.model.model_path at a Hugging Face model directory"
+        )
     config = AutoConfig.from_pretrained(str(path))
     archs = getattr(config, "architectures", None) or []
     if archs and not any(a.endswith("ForCausalLM") for a in archs):
         raise TwoWorkerError(f"model in {path} is {archs}, not a causal LM (…ForCausalLM)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
-                                                     attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, attn_implementation="sdpa"
+        )
     except ValueError as exc:
         raise TwoWorkerError(f"model in {path} cannot be loaded as a causal LM: {exc}") from exc
     return model.to(device)
@@ -92,15 +99,23 @@ class SequenceBatch:
 
     @property
     def responses(self) -> torch.Tensor:
-        return self.input_ids[:, self.prompt_length:]
+        return self.input_ids[:, self.prompt_length :]
 
     def rows(self, index: slice | torch.Tensor) -> SequenceBatch:
-        return SequenceBatch(self.input_ids[index], self.attention_mask[index],
-                             self.response_mask[index], self.prompt_length)
+        return SequenceBatch(
+            self.input_ids[index],
+            self.attention_mask[index],
+            self.response_mask[index],
+            self.prompt_length,
+        )
 
     def to(self, device: torch.device) -> SequenceBatch:
-        return SequenceBatch(self.input_ids.to(device), self.attention_mask.to(device),
-                             self.response_mask.to(device), self.prompt_length)
+        return SequenceBatch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.response_mask.to(device),
+            self.prompt_length,
+        )
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -110,7 +125,11 @@ def response_logprobs(model: torch.nn.Module, batch: SequenceBatch) -> torch.Ten
     """Log-probabilities of each response token under `model`, shape [B, R] (float32)."""
     from rlinf_twoworker.algorithm import token_logprobs
 
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   position_ids=batch.position_ids, use_cache=False).logits
+    logits = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    ).logits
     p = batch.prompt_length
-    return token_logprobs(logits[:, p - 1:-1], batch.input_ids[:, p:])
+    return token_logprobs(logits[:, p - 1 : -1], batch.input_ids[:, p:])

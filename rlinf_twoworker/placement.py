@@ -7,6 +7,7 @@ requests (rollout and reward on rank 0 in the default placement).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -146,28 +147,46 @@ def _alive_nodes_summary() -> str:
     return "; ".join(parts) or "no alive nodes"
 
 
-def create_placement_group(cluster: ClusterConfig, name: str, timeout_s: float) -> PlacementGroup:
-    """One STRICT_SPREAD group, bundle 0 on the caller's node; removed again on timeout."""
+def request_placement_group(cluster: ClusterConfig, name: str) -> PlacementGroup:
+    """Ask for one STRICT_SPREAD group, bundle 0 on the caller's node (returns at once)."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group
 
-    gpus = cluster.num_gpus_per_node
-    bundle = {"GPU": float(gpus), "CPU": float(cluster.cpus_per_bundle)}
-    bundles = [dict(bundle) for _ in range(cluster.num_nodes)]
+    bundle = {"GPU": float(cluster.num_gpus_per_node), "CPU": float(cluster.cpus_per_bundle)}
     here = ray.get_runtime_context().get_node_id()
     selectors = [{"ray.io/node-id": here}] + [{} for _ in range(cluster.num_nodes - 1)]
-    pg = placement_group(
-        bundles, strategy="STRICT_SPREAD", name=name, bundle_label_selector=selectors
+    return placement_group(
+        [dict(bundle) for _ in range(cluster.num_nodes)],
+        strategy="STRICT_SPREAD",
+        name=name,
+        bundle_label_selector=selectors,
     )
+
+
+def placement_timeout_error(cluster: ClusterConfig, name: str, timeout_s: float) -> PlacementError:
+    """What was asked and what each alive node offers."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    return PlacementError(
+        f"placement group '{name}' not scheduled within {timeout_s:g} s: STRICT_SPREAD needs "
+        f"{cluster.num_nodes} nodes with {cluster.num_gpus_per_node} free GPU(s) and "
+        f"{cluster.cpus_per_bundle} CPU(s) each, bundle 0 on this node ({here[:8]}); alive: "
+        f"{_alive_nodes_summary()}. Add nodes or free GPUs, or lower cluster.num_nodes / "
+        "cluster.num_gpus_per_node."
+    )
+
+
+def create_placement_group(cluster: ClusterConfig, name: str, timeout_s: float) -> PlacementGroup:
+    """Request the group and wait for it; on timeout remove it and raise PlacementError."""
+    import ray
+
+    pg = request_placement_group(cluster, name)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
-        remove_placement_group(pg)
-        raise PlacementError(
-            f"placement group '{name}' not scheduled within {timeout_s:g} s: STRICT_SPREAD needs "
-            f"{cluster.num_nodes} nodes with {gpus} free GPU(s) and {cluster.cpus_per_bundle} "
-            f"CPU(s) each, bundle 0 on this node ({here[:8]}); alive: {_alive_nodes_summary()}. "
-            "Add nodes or free GPUs, or lower cluster.num_nodes / cluster.num_gpus_per_node."
-        )
+        error = placement_timeout_error(cluster, name, timeout_s)
+        wait_removed(pg)
+        raise error
     return pg
 
 
@@ -199,10 +218,8 @@ def wait_removed(pg: PlacementGroup, timeout_s: float = 10.0) -> bool:
     """Remove a placement group and wait until the GCS reports it gone."""
     from ray.util.placement_group import placement_group_table, remove_placement_group
 
-    try:
+    with contextlib.suppress(Exception):  # already removed
         remove_placement_group(pg)
-    except Exception:  # already removed
-        pass
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if placement_group_table(pg).get("state") == "REMOVED":

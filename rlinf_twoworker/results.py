@@ -13,6 +13,8 @@ class StepResult:
     step: int
     metrics: dict[str, float]
     timings: dict[str, float]
+    finished_at: float = 0.0
+    """time.time() when the step completed."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -25,6 +27,8 @@ class CheckpointInfo:
     step: int
     directory: str
     files: dict[str, int] = field(default_factory=dict)
+    finished_at: float = 0.0
+    """time.time() when the checkpoint was renamed to its final name."""
 
     @property
     def shards(self) -> dict[str, int]:

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from rlinf_twoworker.config import GRPOConfig
-from rlinf_twoworker.models import (SequenceBatch, dtype_for, load_causal_lm, load_tokenizer)
-from rlinf_twoworker.weight_sync import receive_weights, state_digest
+from rlinf_twoworker.models import SequenceBatch, dtype_for, load_causal_lm, load_tokenizer
+from rlinf_twoworker.weight_sync import receive_weights, state_digest, weights_digest
 from rlinf_twoworker.worker import Worker
 
 
@@ -22,8 +22,8 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        mask[row, width - len(prompt):] = 1
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
     return ids, mask
 
 
@@ -39,8 +39,9 @@ class RolloutWorker(Worker):
 
     def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
         super().__init__(cfg, "rollout", rank)
-        self.tokenizer = load_tokenizer(cfg.actor.tokenizer.tokenizer_model
-                                        or cfg.rollout.model.model_path)
+        self.tokenizer = load_tokenizer(
+            cfg.actor.tokenizer.tokenizer_model or cfg.rollout.model.model_path
+        )
         self.dtype = dtype_for(cfg.rollout.model.precision, self.device)
         self.model = load_causal_lm(cfg.rollout.model.model_path, self.dtype, self.device).eval()
         eos = self.tokenizer.eos_token_id
@@ -52,9 +53,13 @@ class RolloutWorker(Worker):
         params = self.cfg.algorithm.sampling_params
         vocab = self.model.config.vocab_size
         top_k = params.top_k if 0 < params.top_k < vocab else None
-        return {"do_sample": params.do_sample, "temperature": params.temperature,
-                "top_p": params.top_p, "top_k": top_k,
-                "max_new_tokens": self.cfg.max_new_tokens}
+        return {
+            "do_sample": params.do_sample,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": top_k,
+            "max_new_tokens": self.cfg.max_new_tokens,
+        }
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seed: int) -> dict[str, Any]:
@@ -69,20 +74,30 @@ class RolloutWorker(Worker):
         chunk = self.cfg.rollout.max_batch_size
         for begin in range(0, len(rows), chunk):
             out = self.model.generate(
-                input_ids=ids[begin:begin + chunk].to(self.device),
-                attention_mask=mask[begin:begin + chunk].to(self.device),
-                eos_token_id=self.eos_ids, pad_token_id=pad_id, **self._sampling_kwargs())
-            outputs.append(out[:, ids.shape[1]:].cpu())
+                input_ids=ids[begin : begin + chunk].to(self.device),
+                attention_mask=mask[begin : begin + chunk].to(self.device),
+                eos_token_id=self.eos_ids,
+                pad_token_id=pad_id,
+                **self._sampling_kwargs(),
+            )
+            outputs.append(out[:, ids.shape[1] :].cpu())
         width = max(o.shape[1] for o in outputs)
-        responses = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=pad_id)
-                               for o in outputs])
+        responses = torch.cat(
+            [torch.nn.functional.pad(o, (0, width - o.shape[1]), value=pad_id) for o in outputs]
+        )
         resp_mask = response_mask(responses, self.eos_ids)
         texts = self.tokenizer.batch_decode(
-            [r[m.bool()].tolist() for r, m in zip(responses, resp_mask)], skip_special_tokens=True)
-        batch = SequenceBatch(torch.cat([ids, responses], 1), torch.cat([mask, resp_mask], 1),
-                              resp_mask, ids.shape[1])
-        return {"batch": batch, "texts": texts, "seconds": time.perf_counter() - start,
-                "generated_tokens": int(resp_mask.sum())}
+            [r[m.bool()].tolist() for r, m in zip(responses, resp_mask)], skip_special_tokens=True
+        )
+        batch = SequenceBatch(
+            torch.cat([ids, responses], 1), torch.cat([mask, resp_mask], 1), resp_mask, ids.shape[1]
+        )
+        return {
+            "batch": batch,
+            "texts": texts,
+            "seconds": time.perf_counter() - start,
+            "generated_tokens": int(resp_mask.sum()),
+        }
 
     def receive_weights(self, sync_dtype: str) -> dict[str, float]:
         start = time.perf_counter()
@@ -91,3 +106,6 @@ class RolloutWorker(Worker):
 
     def weights(self) -> dict[str, torch.Tensor]:
         return state_digest(self.model)
+
+    def weights_digest(self, sync_dtype: str) -> str:
+        return weights_digest(self.model, getattr(torch, sync_dtype))

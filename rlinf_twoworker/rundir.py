@@ -33,8 +33,10 @@ CHECKPOINTS_DIR = "checkpoints"
 def run_dir_of(output_root: str | Path, run_id: str) -> Path:
     """output_root/run_id, refusing ids that could escape output_root."""
     if not RUN_ID_PATTERN.match(run_id or ""):
-        raise RunDirError(f"RUN_ID {run_id!r} is invalid: it must match {RUN_ID_PATTERN.pattern} "
-                          "(letters, digits, '.', '_', '-'; no path separators)")
+        raise RunDirError(
+            f"RUN_ID {run_id!r} is invalid: it must match {RUN_ID_PATTERN.pattern} "
+            "(letters, digits, '.', '_', '-'; no path separators)"
+        )
     return Path(output_root).resolve() / run_id
 
 
@@ -49,8 +51,10 @@ def create_run_dir(cfg: DictConfig, overrides: Sequence[str] = ()) -> Path:
     try:
         output_root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise RunDirError(f"cannot create the output root {output_root}: {exc}; check that the "
-                          "shared storage is mounted and writable") from exc
+        raise RunDirError(
+            f"cannot create the output root {output_root}: {exc}; check that the "
+            "shared storage is mounted and writable"
+        ) from exc
     lock = FileLock(str(output_root / f".{run_dir.name}.lock"), timeout=30)
     try:
         with lock:
@@ -59,12 +63,15 @@ def create_run_dir(cfg: DictConfig, overrides: Sequence[str] = ()) -> Path:
             except FileExistsError:
                 raise RunDirError(
                     f"run directory {run_dir} already exists: runs are never reused or "
-                    "overwritten; choose a new RUN_ID (runner.experiment_name)") from None
+                    "overwritten; choose a new RUN_ID (runner.experiment_name)"
+                ) from None
             except OSError as exc:
                 raise RunDirError(f"cannot create run directory {run_dir}: {exc}") from exc
     except Timeout as exc:
-        raise RunDirError(f"another launcher holds the lock {lock.lock_file} for more than 30 s; "
-                          "if none is running, delete the lock file") from exc
+        raise RunDirError(
+            f"another launcher holds the lock {lock.lock_file} for more than 30 s; "
+            "if none is running, delete the lock file"
+        ) from exc
     _write_config(run_dir, cfg, overrides)
     (run_dir / "log").mkdir()
     (run_dir / MAIN_LOG).touch()

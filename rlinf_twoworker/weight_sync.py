@@ -28,8 +28,9 @@ class SyncGroups:
     fanout: object | None  # group {consumers}, None when there is one consumer
 
 
-def new_sync_groups(actor_ranks: list[int], consumer_ranks: list[int],
-                    backend: str | None = None) -> SyncGroups:
+def new_sync_groups(
+    actor_ranks: list[int], consumer_ranks: list[int], backend: str | None = None
+) -> SyncGroups:
     """Create the groups; every process of the world must call this, in the same order."""
     source, relay = actor_ranks[0], consumer_ranks[0]
     cross = dist.new_group([source, relay], backend=backend)
@@ -56,8 +57,12 @@ def _full(param: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def send_weights(model: torch.nn.Module, groups: SyncGroups, dtype: torch.dtype,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+def send_weights(
+    model: torch.nn.Module,
+    groups: SyncGroups,
+    dtype: torch.dtype,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> int:
     """Actor side (all actor ranks call it). Returns the bytes broadcast by the source."""
     params = [p for _, p in model.named_parameters()]
     is_source = dist.get_rank() == groups.source
@@ -74,8 +79,12 @@ def send_weights(model: torch.nn.Module, groups: SyncGroups, dtype: torch.dtype,
 
 
 @torch.no_grad()
-def receive_weights(model: torch.nn.Module, groups: SyncGroups, dtype: torch.dtype,
-                    bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+def receive_weights(
+    model: torch.nn.Module,
+    groups: SyncGroups,
+    dtype: torch.dtype,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> int:
     """Consumer side (rollout, inference). Returns the bytes received."""
     params = [p for _, p in model.named_parameters()]
     rank = dist.get_rank()
@@ -91,7 +100,7 @@ def receive_weights(model: torch.nn.Module, groups: SyncGroups, dtype: torch.dty
         offset = 0
         for i in bucket:
             n = params[i].numel()
-            params[i].copy_(flat[offset:offset + n].view_as(params[i]))
+            params[i].copy_(flat[offset : offset + n].view_as(params[i]))
             offset += n
         received += flat.numel() * itemsize
     return received
@@ -100,3 +109,17 @@ def receive_weights(model: torch.nn.Module, groups: SyncGroups, dtype: torch.dty
 def state_digest(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full parameters on the CPU (for tests and debugging; a collective on FSDP models)."""
     return {name: _full(p).detach().float().cpu().clone() for name, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def weights_digest(model: torch.nn.Module, dtype: torch.dtype) -> str:
+    """SHA-256 of every full parameter in `dtype`, in parameter order (a collective on FSDP
+    models: every actor rank calls it; all return the same digest)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        full = _full(param).detach().to(dtype).contiguous().cpu()
+        digest.update(name.encode())
+        digest.update(full.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

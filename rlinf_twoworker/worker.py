@@ -50,8 +50,13 @@ class Worker:
 
     def where(self) -> dict[str, Any]:
         """Component, rank, node and GPUs of this process (for topology and error messages)."""
-        info: dict[str, Any] = {"component": self.component, "rank": self.rank,
-                                "host": socket.gethostname(), "ip": node_ip(), "pid": os.getpid()}
+        info: dict[str, Any] = {
+            "component": self.component,
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "ip": node_ip(),
+            "pid": os.getpid(),
+        }
         try:
             import ray
 
@@ -67,8 +72,14 @@ class Worker:
         ip = node_ip()
         return ip, free_port(ip)
 
-    def join(self, master: tuple[str, int], world_rank: int, world_size: int,
-             actor_ranks: list[int], consumer_ranks: list[int]) -> None:
+    def join(
+        self,
+        master: tuple[str, int],
+        world_rank: int,
+        world_size: int,
+        actor_ranks: list[int],
+        consumer_ranks: list[int],
+    ) -> None:
         """Join the run's world process group and create the sub-groups (same order everywhere)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -77,8 +88,13 @@ class Worker:
             # Keep collectives on loopback when the whole cluster lives on one host.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        dist.init_process_group(self.backend, init_method=f"tcp://{master[0]}:{master[1]}",
-                                rank=world_rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(
+            self.backend,
+            init_method=f"tcp://{master[0]}:{master[1]}",
+            rank=world_rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
         self.actor_group = dist.new_group(actor_ranks)
         self.sync = new_sync_groups(actor_ranks, consumer_ranks)
 

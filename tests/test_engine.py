@@ -1,0 +1,217 @@
+"""The whole job through `run_grpo_two_worker` on a real 2-node Ray cluster (CPU, gloo)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from rlinf_twoworker import RunCancelledError, run_grpo_two_worker
+from rlinf_twoworker.demo import demo_config, make_inputs
+from rlinf_twoworker.placement import bundle_node_ids
+from rlinf_twoworker.rollout import RolloutWorker
+from rlinf_twoworker.verify import verify_run
+
+# Classes injected into a run (component_classes) travel by value: the workers cannot import
+# this test module.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+TAGS = (
+    "rollout/reward_scores",
+    "actor/training/actor/final_loss",
+    "actor/training/actor/grad_norm",
+    "actor/training/actor/lr",
+)
+TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return make_inputs(tmp_path_factory.mktemp("inputs"), task="digit7")
+
+
+def live_placement_groups() -> list[dict]:
+    return [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+
+
+def wait_no_placement_groups(timeout: float = 30) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while live_placement_groups() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return live_placement_groups()
+
+
+def test_two_step_run_end_to_end(cluster_2x2, inputs, tmp_path):
+    cfg = demo_config(
+        inputs, tmp_path, "e2e", ["actor.optim.lr=1e-3", "rollout.validate_weight=true"]
+    )
+    handle = run_grpo_two_worker(cfg)
+    step1 = ray.get(handle.step(1), timeout=TIMEOUT)
+    step2 = ray.get(handle.step(2), timeout=TIMEOUT)
+    ckpt = ray.get(handle.checkpoint(2), timeout=TIMEOUT)
+    assert step1.finished_at <= step2.finished_at <= ckpt.finished_at
+    # Weight sync checked bit for bit after every step (rollout.validate_weight).
+    assert step1.metrics["sync/verified"] == 1.0 and step2.metrics["sync/verified"] == 1.0
+    topology = handle.topology()
+    bundle_nodes = bundle_node_ids(handle.placement_group)
+    assert {(r["component"], r["rank"]) for r in topology} == {
+        ("rollout", 0),
+        ("reward", 0),
+        ("inference", 0),
+        ("actor", 0),
+        ("actor", 1),
+    }
+    for row in topology:
+        assert row["node_id"] == bundle_nodes[row["bundle"]], row
+    assert bundle_nodes[0] == ray.get_runtime_context().get_node_id()
+    gpus = {r["component"]: r["gpu_ids"] for r in topology if r["rank"] == 0}
+    assert gpus["rollout"] == gpus["reward"] != gpus["inference"]
+    actor_gpus = [r["gpu_ids"] for r in topology if r["component"] == "actor"]
+    assert actor_gpus[0] != actor_gpus[1]
+
+    report = handle.result(timeout=TIMEOUT)
+    assert report.passed, report.errors
+    assert handle.done() and handle.status()["state"] == "succeeded"
+    run_dir = tmp_path / "e2e"
+    for rel in (
+        "driver.log",
+        "preflight.json",
+        "hydra/.hydra/config.yaml",
+        "hydra/.hydra/overrides.yaml",
+        "log/main.log",
+        "verification.json",
+        "checkpoints/global_step_2/actor/dcp_checkpoint/.metadata",
+        "checkpoints/global_step_2/data/data.pt",
+    ):
+        assert (run_dir / rel).is_file(), rel
+    assert (
+        len(list((run_dir / "checkpoints/global_step_2/actor/dcp_checkpoint").glob("*.distcp")))
+        == 2
+    )
+    assert verify_run(run_dir, 2, 2, write=False).passed
+    assert (
+        "Step limit given by max_steps=2 reached. Stopping run"
+        in (run_dir / "log/main.log").read_text()
+    )
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    for tag in TAGS:
+        values = events.Scalars(tag)
+        assert [v.step for v in values] == [1, 2], tag
+        assert all(math.isfinite(v.value) for v in values), tag
+    assert wait_no_placement_groups() == []
+
+    # The checkpoint loads in a fresh process with plain DCP, and training changed the weights.
+    out = tmp_path / "loaded.pt"
+    script = (
+        "import sys, torch\n"
+        "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
+        "dcp_to_torch_save(sys.argv[1], sys.argv[2])\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", script, ckpt.directory + "/actor/dcp_checkpoint", str(out)],
+        check=True,
+        timeout=120,
+    )
+    loaded = torch.load(out, weights_only=False)["fsdp_checkpoint"]
+    initial = load_file(str(Path(inputs.model_path) / "model.safetensors"))
+    model = loaded["model"]
+    assert set(initial) <= set(model)
+    assert any(not torch.equal(initial[k], model[k]) for k in initial)
+    assert "optimizers" in loaded and "lr_schedulers" in loaded and "rng" in loaded
+
+
+def test_unscheduled_checkpoint_and_bad_step_raise_at_once(cluster_2x2, inputs, tmp_path):
+    cfg = demo_config(inputs, tmp_path, "sched", ["runner.max_steps=3", "runner.save_interval=2"])
+    handle = run_grpo_two_worker(cfg)
+    try:
+        with pytest.raises(ValueError, match="no checkpoint is scheduled at step 1"):
+            handle.checkpoint(1)
+        with pytest.raises(ValueError, match="outside"):
+            handle.step(4)
+        assert handle.checkpoint(2) is not None and handle.checkpoint(3) is not None
+    finally:
+        handle.cancel()
+
+
+def test_cancel_makes_pending_futures_raise_and_frees_the_cluster(cluster_2x2, inputs, tmp_path):
+    cfg = demo_config(
+        inputs, tmp_path, "cancelled", ["runner.max_steps=50", "runner.save_interval=50"]
+    )
+    handle = run_grpo_two_worker(cfg)
+    ray.get(handle.step(1), timeout=TIMEOUT)
+    pending = handle.step(50)
+    started = time.monotonic()
+    handle.cancel()
+    with pytest.raises(RunCancelledError):
+        try:
+            ray.get(pending, timeout=60)
+        except ray.exceptions.RayTaskError as exc:
+            raise exc.cause from None
+    with pytest.raises(RunCancelledError):
+        handle.result(timeout=60)
+    assert time.monotonic() - started < 60
+    assert wait_no_placement_groups() == []
+    assert json.loads((tmp_path / "cancelled" / "failure.json").read_text())["state"] == "cancelled"
+
+
+class CorruptingRollout(RolloutWorker):
+    """A rollout whose received weights are off by a little: the weight check must catch it."""
+
+    def receive_weights(self, sync_dtype: str) -> dict[str, float]:
+        result = super().receive_weights(sync_dtype)
+        with torch.no_grad():
+            next(self.model.parameters()).add_(1e-3)
+        return result
+
+
+def test_broken_weight_sync_fails_the_run_naming_the_rollout(cluster_2x2, inputs, tmp_path):
+    from rlinf_twoworker import ComponentError
+
+    cfg = demo_config(inputs, tmp_path, "badsync", ["rollout.validate_weight=true"])
+    handle = run_grpo_two_worker(cfg, component_classes={"rollout": CorruptingRollout})
+    with pytest.raises(ComponentError, match="rollout rank 0 .*weights differ"):
+        handle.result(timeout=TIMEOUT)
+    assert wait_no_placement_groups() == []
+
+
+def test_policy_learns_to_answer_seven(cluster_2x2, inputs, tmp_path):
+    """A random policy sometimes answers '7' (reward +5); GRPO must make that the habit.
+    A sign error in the loss drives the reward down instead, and this test fails."""
+    steps = 14
+    cfg = demo_config(
+        inputs,
+        tmp_path,
+        "learn",
+        [
+            f"runner.max_steps={steps}",
+            f"runner.save_interval={steps}",
+            "algorithm.sampling_params.max_new_tokens=1",
+            "algorithm.group_size=8",
+            "data.rollout_batch_size=8",
+            "algorithm.n_minibatches=2",
+            "actor.optim.lr=3e-3",
+            "algorithm.training_batch_size_per_gpu=8",
+            "algorithm.logprob_forward_micro_batch_size=64",
+            "actor.optim.weight_decay=0.0",
+        ],
+    )
+    handle = run_grpo_two_worker(cfg)
+    report = handle.result(timeout=600)
+    assert report.passed, report.errors
+    rewards = [
+        ray.get(handle.step(n), timeout=30).metrics["rollout/reward_scores"]
+        for n in range(1, steps + 1)
+    ]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 3.0, rewards
