@@ -33,8 +33,6 @@ IGNORED_RLINF_KEYS = (
     "runner.logger",
     "runner.max_epochs",
     "runner.val_check_interval",
-    "runner.enable_dynamic_batch_size",
-    "runner.max_tokens_per_mbs",
     "algorithm.rollout_batch_size_per_gpu",
     "algorithm.val_rollout_batch_size_per_gpu",
     "algorithm.shuffle_rollout",
@@ -68,7 +66,6 @@ IGNORED_RLINF_KEYS = (
     "rollout.return_logprobs",
     "rollout.tensor_parallel_size",
     "rollout.pipeline_parallel_size",
-    "rollout.validate_weight",
     "rollout.validate_save_dir",
     "rollout.print_outputs",
     "rollout.sglang_decode_log_interval",
@@ -244,6 +241,11 @@ class RunnerConfig:
     """Also write a full-model Hugging Face copy at each checkpoint."""
     seq_length: int = 1024
     """Prompt plus answer tokens; max_new_tokens defaults to seq_length - max_prompt_length."""
+    enable_dynamic_batch_size: bool = False
+    """Form the actor's micro-batches by token budget (max_tokens_per_mbs) instead of
+    algorithm.training_batch_size_per_gpu rows; the update is the same, fewer passes run."""
+    max_tokens_per_mbs: int = 1024
+    """Token budget of one actor micro-batch (rows x padded length) with dynamic batch size."""
     resume_dir: str | None = None
     """'auto' or a run directory to continue from its last complete checkpoint."""
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -269,6 +271,12 @@ class RunnerConfig:
             "must be >= 0",
         )
         _require(self.seq_length >= 2, "runner.seq_length", self.seq_length, "must be >= 2")
+        _require(
+            self.max_tokens_per_mbs >= 1,
+            "runner.max_tokens_per_mbs",
+            self.max_tokens_per_mbs,
+            "must be >= 1",
+        )
         _require(bool(self.output_dir), "runner.output_dir", self.output_dir, "must be set")
 
 
@@ -373,6 +381,9 @@ class RolloutConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     max_batch_size: int = 256
     """Most sequences decoded together (prompts x group_size are split into such batches)."""
+    engine: str = "auto"
+    """'static' (preallocated KV cache, CUDA-graph decode), 'hf' (transformers' generate), or
+    'auto' (static for Qwen2/Llama/Mistral models, hf otherwise)."""
     validate_weight: bool = False
     """After every weight sync, compare digests of the actor's, rollout's and inference's full
     weights and fail the step on any difference (costs one more gather of the weights)."""
@@ -594,15 +605,54 @@ def _drop_ignored(raw: DictConfig) -> list[str]:
     return dropped
 
 
+class _HydraScalarLoader(yaml.SafeLoader):
+    """YAML with Hydra's scalar rules, so a value means what it means on Hydra's command line.
+
+    PyYAML follows YAML 1.1: `0123` is octal 83, `12:30` is 750, `no`/`on` are booleans and
+    `2024-01-01` is a date. Hydra reads all of those as strings (a RUN_ID must not silently
+    become another name), and only `true`/`false` as booleans.
+    """
+
+
+_REPLACED_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float", "timestamp")}
+_HydraScalarLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in _REPLACED_TAGS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_HydraScalarLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|false)$", re.IGNORECASE), list("tTfF")
+)
+_HydraScalarLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9](?:_?[0-9])*)$"), list("-+0123456789")
+)
+_HydraScalarLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^[-+]?(?:[0-9](?:_?[0-9])*\.[0-9]*(?:[eE][-+]?[0-9]+)?"
+        r"|\.[0-9]+(?:[eE][-+]?[0-9]+)?"
+        r"|[0-9](?:_?[0-9])*[eE][-+]?[0-9]+)$"
+    ),
+    list("-+0123456789."),
+)
+
+
 def _hydra_value_to_yaml(value: str) -> str:
-    """Hydra writes flow maps without a space after ':' ({a:0,b:1}); YAML needs one."""
-    out, quote = [], ""
+    """Hydra writes flow maps without a space after ':' ({a:0,b:1}); YAML needs one.
+
+    Only colons directly inside a flow map get the space: `${subtract:${a},${b}}` is an
+    interpolation and stays as written.
+    """
+    out, quote, braces = [], "", []  # braces: True for a `${` interpolation, False for a map
     for i, ch in enumerate(value):
         if quote:
             quote = "" if ch == quote else quote
         elif ch in "'\"":
             quote = ch
-        elif ch == ":" and value[i + 1 : i + 2] not in (" ", "") and "{" in value[:i]:
+        elif ch == "{":
+            braces.append(value[i - 1 : i] == "$")
+        elif ch == "}" and braces:
+            braces.pop()
+        elif ch == ":" and braces and not braces[-1] and value[i + 1 : i + 2] not in (" ", ""):
             out.append(": ")
             continue
         out.append(ch)
@@ -621,8 +671,10 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         )
     if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
         raise ConfigError(key, text, "an override key is dot-separated identifiers")
+    if sep and not raw.strip():
+        return kind, key, ""  # Hydra: `key=` sets the empty string
     try:
-        value = yaml.safe_load(_hydra_value_to_yaml(raw)) if sep else None
+        value = yaml.load(_hydra_value_to_yaml(raw), Loader=_HydraScalarLoader) if sep else None
     except yaml.YAMLError as exc:
         raise ConfigError(key, raw, f"value is not valid YAML/Hydra syntax ({exc})") from exc
     return kind, key, value
@@ -653,6 +705,31 @@ def _omegaconf_reason(exc: OmegaConfBaseException) -> str:
     return first
 
 
+def _merge_file(cfg: DictConfig, path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError("--config", str(path), "the config file does not exist")
+    try:
+        raw = OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        raise ConfigError("--config", str(path), f"the file is not valid YAML ({exc})") from exc
+    if not isinstance(raw, DictConfig):
+        raise ConfigError("--config", str(path), "the file must hold a mapping (RLinf's layout)")
+    _drop_ignored(raw)
+    # Section by section, so that an error OmegaConf reports without a key names its section.
+    for section in list(raw.keys()):
+        try:
+            merged = OmegaConf.merge(cfg, OmegaConf.masked_copy(raw, [str(section)]))
+        except OmegaConfBaseException as exc:
+            key = getattr(exc, "full_key", None) or str(section)
+            value = getattr(exc, "value", None)
+            if value is None:  # an unknown key's error carries no value
+                value = OmegaConf.select(raw, key, default=None, throw_on_missing=False)
+            raise ConfigError(f"{key} (in {path})", value, _omegaconf_reason(exc)) from exc
+        assert isinstance(merged, DictConfig)  # merging into a DictConfig keeps its type
+        cfg = merged
+    return cfg
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> DictConfig:
     """Defaults, then an optional YAML file in RLinf's layout, then Hydra-style overrides.
 
@@ -662,18 +739,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     _register_rlinf_resolvers()
     cfg = OmegaConf.structured(GRPOConfig)
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError("--config", str(path), "the config file does not exist")
-        raw = OmegaConf.load(path)
-        _drop_ignored(raw)
-        try:
-            cfg = OmegaConf.merge(cfg, raw)
-        except OmegaConfBaseException as exc:
-            key = getattr(exc, "full_key", "") or "?"
-            raise ConfigError(
-                f"{key} (in {path})", getattr(exc, "value", None), _omegaconf_reason(exc)
-            ) from exc
+        cfg = _merge_file(cfg, Path(path))
     for text in overrides:
         _apply_override(cfg, text)
     to_typed(cfg)  # runs every __post_init__ rule

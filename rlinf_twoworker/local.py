@@ -53,6 +53,7 @@ class LocalCluster:
         self.object_store_bytes = object_store_mb * 1024 * 1024
         self.real_gpus = visible_cuda_gpus() >= num_nodes * gpus_per_node
         self._cluster = None
+        self._connected = False  # whether start() connected this process (and so may shut down)
 
     @property
     def address(self) -> str:
@@ -98,13 +99,16 @@ class LocalCluster:
                 namespace="rlinf_twoworker",
                 log_to_driver=True,
             )
+            self._connected = True
         return self
 
     def shutdown(self) -> None:
         import ray
 
-        if self.connect and ray.is_initialized():
+        # A process already connected elsewhere (a test session's cluster) stays connected.
+        if self._connected and ray.is_initialized():
             ray.shutdown()
+        self._connected = False
         if self._cluster is not None:
             self._cluster.shutdown()
             self._cluster = None

@@ -127,11 +127,8 @@ def _alive_nodes_summary() -> str:
     import ray
 
     parts = []
-    available = {}
     try:
-        from ray.util.state import list_nodes  # noqa: F401  (only to know the state API exists)
-
-        available = ray._private.state.state._available_resources_per_node()  # type: ignore[attr-defined]
+        available = ray._private.state.available_resources_per_node()
     except Exception:  # the diagnostic must never hide the real error
         available = {}
     for node in ray.nodes():
