@@ -1,0 +1,350 @@
+"""Per-node preflight: one probe pinned to each node, holding its GPUs, before any training.
+
+`NodeProbe` is a plain class (tested without Ray) that checks one node; `run_preflight` pins one
+probe to each bundle of the placement group, compares the nodes, runs a cross-node all-reduce,
+prints the status lines, writes `preflight.json` and raises PreflightError on any failure.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlinf_twoworker.config import GRPOConfig, to_typed
+from rlinf_twoworker.errors import PreflightError
+from rlinf_twoworker.manifest import verify_input
+from rlinf_twoworker.placement import bundle_node_ids
+
+_CMD_TIMEOUT_S = 30.0
+
+
+def _command(argv: list[str]) -> tuple[int, str]:
+    """Run a fixed argv (never a shell string) with a timeout; (return code, stdout or stderr)."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return -1, str(exc)
+    return done.returncode, (done.stdout if done.returncode == 0 else done.stderr).strip()
+
+
+def _as_typed(cfg: GRPOConfig | Mapping[str, Any]) -> GRPOConfig:
+    if isinstance(cfg, GRPOConfig):
+        return cfg
+    merged = OmegaConf.merge(OmegaConf.structured(GRPOConfig), dict(cfg))
+    return to_typed(cast(DictConfig, merged))
+
+
+def _driver_versions() -> list[str]:
+    """The NVIDIA driver version of every GPU of this node (nvidia-smi, else pynvml)."""
+    if shutil.which("nvidia-smi"):
+        argv = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        code, out = _command(argv)
+        if code == 0:
+            return [line.strip() for line in out.splitlines() if line.strip()]
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        version = version.decode() if isinstance(version, bytes) else str(version)
+        return [version] * pynvml.nvmlDeviceGetCount()
+    except Exception:  # no NVML on this node: reported as "no driver found"
+        return []
+
+
+class NodeProbe:
+    """Checks one node. `run` returns a JSON-able dict whose `errors` list is empty on success."""
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+    def input_paths(self, cfg: GRPOConfig, node_rank: int) -> dict[str, Path]:
+        """Configured input -> the path this node reads it from (the same path on shared storage)."""
+        paths: list[str | None] = [cfg.actor.model.model_path, cfg.rollout.model.model_path]
+        paths += [cfg.inference.model.model_path, cfg.actor.tokenizer.tokenizer_model]
+        paths += cfg.data.train_data_paths
+        return {p: Path(p) for p in dict.fromkeys(paths) if p}
+
+    def run(self, cfg: GRPOConfig | Mapping[str, Any], node_rank: int) -> dict[str, Any]:
+        cfg = _as_typed(cfg)
+        pre = cfg.cluster.preflight
+        r: dict[str, Any] = {"node_rank": node_rank, "hostname": socket.gethostname()}
+        r.update(ip=self.node_ip(), node_id=None, ray_gpu_ids=[], python_prefix=sys.prefix)
+        r.update(python_version=sys.version.split()[0], accelerator=cfg.cluster.accelerator)
+        errors: list[str] = []
+
+        def fail(check: str, seen: object, todo: str = "") -> None:
+            todo = f"; {todo}" if todo else ""
+            errors.append(f"node {node_rank} ({r['hostname']}): {check}: {seen}{todo}")
+
+        if ray.is_initialized():
+            context = ray.get_runtime_context()
+            r["node_id"] = context.get_node_id()
+            r["ray_gpu_ids"] = [str(g) for g in context.get_accelerator_ids().get("GPU", [])]
+        self._check_gpus(cfg, r, fail)
+        ib = os.environ.get("NCCL_IB_DISABLE")
+        r["nccl_ib_disable"] = ib
+        if pre.require_nccl_ib_disable and ib != "1":
+            fail("NCCL_IB_DISABLE", repr(ib), "export NCCL_IB_DISABLE=1 in this node's env")
+        want = pre.expected_python_prefix
+        if want and os.path.realpath(sys.prefix) != os.path.realpath(want):
+            fail("python prefix", sys.prefix, f"run this node's Ray from the env at {want}")
+        self._check_code(pre.code_path, pre.code_commit, r, fail)
+        r["manifests"] = {}
+        for label, path in self.input_paths(cfg, node_rank).items():
+            try:
+                r["manifests"][label] = verify_input(path)
+            except PreflightError as exc:
+                fail(f"input {label}", exc)  # the manifest error says what to do
+        r["modules"] = {}
+        for name in pre.required_modules:
+            try:
+                module = importlib.import_module(name)
+                r["modules"][name] = str(getattr(module, "__version__", "ok"))
+            except Exception as exc:  # any import failure is a finding, never a crash
+                fail(f"import {name}", f"{type(exc).__name__}: {exc}", "install it in the env")
+        r["errors"] = errors
+        return r
+
+    def _check_gpus(self, cfg: GRPOConfig, r: dict[str, Any], fail: Callable) -> None:
+        r.update(gpu_count=0, gpu_names=[], compute_capabilities=[], driver_version=None)
+        r["cuda_available"] = False
+        if cfg.cluster.accelerator != "cuda":
+            r["gpu_note"] = "no GPU (cluster.accelerator=cpu): GPU checks skipped"
+            return
+        import torch
+
+        r["cuda_available"] = torch.cuda.is_available()
+        if not r["cuda_available"]:
+            fail("CUDA available", False, "check the NVIDIA driver and CUDA_VISIBLE_DEVICES")
+            return
+        count = torch.cuda.device_count()
+        r["gpu_count"] = count
+        r["gpu_names"] = [torch.cuda.get_device_name(i) for i in range(count)]
+        caps = [torch.cuda.get_device_capability(i) for i in range(count)]
+        r["compute_capabilities"] = [f"{a}.{b}" for a, b in caps]
+        pre, want = cfg.cluster.preflight, cfg.cluster.num_gpus_per_node
+        if count != want:
+            fail("GPU count", count, f"cluster.num_gpus_per_node is {want}: fix it or the node")
+        model = pre.expected_gpu_model
+        if model and any(model not in name for name in r["gpu_names"]):
+            fail("GPU model", r["gpu_names"], f"cluster.preflight.expected_gpu_model is '{model}'")
+        cap = pre.expected_compute_capability
+        if cap and any(c != cap for c in r["compute_capabilities"]):
+            fail("compute capability", r["compute_capabilities"], f"expected {cap} (GPU image?)")
+        per_gpu = _driver_versions()  # nvidia-smi lists every GPU of the node, not only ours
+        versions, r["node_gpu_count"] = sorted(set(per_gpu)), len(per_gpu)
+        r["driver_version"] = versions[0] if len(versions) == 1 else None
+        if len(versions) != 1:
+            fail("NVIDIA driver version", versions or "none found", "one driver per node needed")
+
+    def _check_code(self, path: str | None, commit: str | None, r: dict, fail: Callable) -> None:
+        if commit and not path:
+            fail("code commit", commit, "set cluster.preflight.code_path to the checkout")
+        if not path:
+            return
+        code, head = _command(["git", "-C", path, "rev-parse", "HEAD"])
+        r["code_commit"] = head if code == 0 else None
+        if code != 0:
+            fail(f"code checkout {path}", head, "check out the pinned code at that path")
+            return
+        if commit and not head.startswith(commit):
+            fail(f"code commit of {path}", head, f"check out {commit}")
+        code, status = _command(["git", "-C", path, "status", "--porcelain"])
+        r["code_clean"] = code == 0 and not status
+        if not r["code_clean"]:
+            fail(f"code tree {path}", status[:200] or "git status failed", "reset local edits")
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((self.node_ip(), 0))
+            return int(sock.getsockname()[1])
+
+    def all_reduce(
+        self, init_method: str, rank: int, world_size: int, backend: str, timeout_s: float
+    ) -> float:
+        """Join a process group of all probes, all-reduce (rank + 1), leave; returns the sum."""
+        import torch
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(
+            backend, init_method=init_method, timeout=timeout, world_size=world_size, rank=rank
+        )
+        try:
+            device = "cuda:0" if backend == "nccl" else "cpu"
+            value = torch.tensor([rank + 1.0], device=device)
+            dist.all_reduce(value)
+            return float(value.item())
+        finally:
+            dist.destroy_process_group()
+
+
+def compare_nodes(nodes: list[dict[str, Any]]) -> list[str]:
+    """Cross-node errors: manifest digests and driver versions must be equal on every node."""
+    errors = []
+    labels = dict.fromkeys(k for n in nodes for k in n.get("manifests", {}))
+    where = lambda n: f"node {n['node_rank']} ({n.get('hostname')})"  # noqa: E731
+    for label in labels:
+        seen = {where(n): n["manifests"][label] for n in nodes if label in n.get("manifests", {})}
+        if len(set(seen.values())) > 1:
+            errors.append(
+                f"input {label}: the SHA256SUMS digests differ between nodes ({seen}); the nodes "
+                "see different files: make every node read the same copy on shared storage"
+            )
+    drivers = {where(n): n.get("driver_version") for n in nodes if n.get("driver_version")}
+    if len(set(drivers.values())) > 1:
+        errors.append(
+            f"NVIDIA driver versions differ between nodes ({drivers}); run every node on the "
+            "same driver (the same machine image)"
+        )
+    return errors
+
+
+@dataclass
+class PreflightReport:
+    passed: bool
+    nodes: list[dict[str, Any]]
+    errors: list[str]
+    cluster_resources: dict[str, float]
+    collective: dict[str, Any] | None = None
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _collective(probes: list, nodes: list[dict], cfg: GRPOConfig, deadline: float) -> dict:
+    """All-reduce across the probes; a stall fails within the timeout, naming the addresses."""
+    backend = "nccl" if cfg.cluster.accelerator == "cuda" else "gloo"
+    timeout_s = max(1.0, min(cfg.runner.timeouts.collective_s, deadline - time.monotonic()))
+    world = len(probes)
+    out: dict[str, Any] = {"backend": backend, "init_method": None, "world_size": world}
+    out.update(expected=world * (world + 1) / 2, results=[], error=None)
+    try:
+        port = ray.get(probes[0].free_port.remote(), timeout=timeout_s)
+        out["init_method"] = f"tcp://{nodes[0]['ip']}:{port}"
+        args = (out["init_method"], world, backend, timeout_s)
+        refs = [p.all_reduce.remote(args[0], i, *args[1:]) for i, p in enumerate(probes)]
+        out["results"] = ray.get(refs, timeout=timeout_s + 10.0)
+    except Exception as exc:  # a stall or a failed rendezvous, reported below
+        out["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+    if out["error"] or any(v != out["expected"] for v in out["results"]):
+        addresses = ", ".join(f"node {n['node_rank']} {n['hostname']} {n['ip']}" for n in nodes)
+        out["error"] = (
+            f"cross-node all-reduce ({backend}, rendezvous {out['init_method']}) between "
+            f"{addresses} failed: {out['error'] or out['results']}; check that the nodes reach "
+            "each other over TCP (firewall, NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME)"
+        )
+    return out
+
+
+def _start_probes(cfg: GRPOConfig, pg: PlacementGroup, probe_cls: type[NodeProbe]) -> list:
+    """One probe actor per bundle, holding that node's GPUs (logical ones on a CPU cluster)."""
+    actor_cls = ray.remote(probe_cls)
+    return [
+        actor_cls.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=i
+            ),
+            num_gpus=cfg.cluster.num_gpus_per_node,
+            num_cpus=0,
+        ).remote()
+        for i in range(pg.bundle_count)
+    ]
+
+
+def _gather(probes: list, cfg: GRPOConfig, node_ids: list[str], deadline: float) -> list[dict]:
+    refs = [p.run.remote(cfg, i) for i, p in enumerate(probes)]
+    ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    nodes = []
+    for i, ref in enumerate(refs):
+        where = f"node {i} (Ray node {node_ids[i][:8]}, {ips.get(node_ids[i], '?')})"
+        empty = {"node_rank": i, "hostname": "unknown", "ip": ips.get(node_ids[i])}
+        try:
+            result = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            todo = "the node is stalled (storage? imports?); raise runner.timeouts.preflight_s"
+            result = dict(empty, errors=[f"{where}: the preflight probe did not answer; {todo}"])
+        except Exception as exc:
+            reason = str(exc).strip().splitlines()[-1][:300]
+            result = dict(empty, errors=[f"{where}: the preflight probe failed: {reason}"])
+        result.update(bundle=i, ray_node_id=node_ids[i])
+        nodes.append(result)
+    return nodes
+
+
+def _status_lines(report: PreflightReport, head_ids: set[str], log: Callable) -> None:
+    log(f"RAY_CLUSTER_RESOURCES={json.dumps(report.cluster_resources, sort_keys=True)}")
+    for n in report.nodes:
+        role = "Ray Head" if n["ray_node_id"] in head_ids else "Ray Worker"
+        gpu = ",".join(dict.fromkeys(n.get("gpu_names") or [])) or "none"
+        log(
+            f"WORKER_TOPOLOGY=rank={n['node_rank']} role={role} host={n['hostname']} "
+            f"gpu_count={n.get('gpu_count', 0)} gpu={gpu}"
+        )
+    for n in report.nodes:
+        log(f"NVIDIA_DRIVER_VERSION_NODE_{n['node_rank']}={n.get('driver_version') or 'none'}")
+    first = f" error={report.errors[0]}" if report.errors else ""
+    log(f"RLINF_PREFLIGHT_STATUS={'passed' if report.passed else 'failed'}{first}")
+
+
+def run_preflight(
+    cfg: GRPOConfig,
+    pg: PlacementGroup,
+    output_dir: Path | None,
+    log: Callable[[str], None] = print,
+    timeout_s: float | None = None,
+    probe_cls: type[NodeProbe] = NodeProbe,
+) -> PreflightReport:
+    """Probe every bundle's node, compare them, all-reduce across them; raise on any failure.
+
+    Writes `output_dir/preflight.json` (when given) before raising. The probes are killed at
+    the end so the bundles' GPUs are free for the training components.
+    """
+    start = time.monotonic()
+    deadline = start + (timeout_s or cfg.runner.timeouts.preflight_s)
+    node_ids = bundle_node_ids(pg)
+    head_ids = {n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"]}
+    probes = _start_probes(cfg, pg, probe_cls)
+    try:
+        nodes = _gather(probes, cfg, node_ids, deadline)
+        errors = [e for n in nodes for e in n["errors"]] + compare_nodes(nodes)
+        report = PreflightReport(False, nodes, errors, dict(ray.cluster_resources()))
+        if cfg.cluster.preflight.check_collective:
+            if all(n.get("ip") and "python_prefix" in n for n in nodes):
+                report.collective = _collective(probes, nodes, cfg, deadline)
+                if report.collective["error"]:
+                    report.errors.append(report.collective["error"])
+            else:
+                report.notes.append("collective check skipped: not every probe answered")
+    finally:
+        for probe in probes:
+            ray.kill(probe)
+    report.passed = not report.errors
+    report.seconds = round(time.monotonic() - start, 3)
+    _status_lines(report, head_ids, log)
+    if output_dir is not None:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(output_dir) / "preflight.json").write_text(json.dumps(report.to_dict(), indent=2))
+    if not report.passed:
+        raise PreflightError("preflight failed:\n" + "\n".join(report.errors))
+    return report
