@@ -12,13 +12,16 @@ from typing import Any
 import torch
 
 from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.errors import TwoWorkerError
 from rlinf_twoworker.models import SequenceBatch, dtype_for, load_causal_lm, load_tokenizer
-from rlinf_twoworker.weight_sync import receive_weights, state_digest, weights_digest
-from rlinf_twoworker.worker import Worker
+from rlinf_twoworker.sampler import SamplingSettings, StaticSampler, supports
+from rlinf_twoworker.worker import PolicyCopy
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
+def left_pad(
+    prompts: list[list[int]], pad_id: int, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(width or 0, max(len(p) for p in prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
@@ -34,7 +37,7 @@ def response_mask(responses: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     return (~after_eos).long()
 
 
-class RolloutWorker(Worker):
+class RolloutWorker(PolicyCopy):
     """Holds a copy of the policy and generates answers for a batch of prompts."""
 
     def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
@@ -48,6 +51,14 @@ class RolloutWorker(Worker):
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         eos_ids = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos_ids = sorted({i for i in [eos, *eos_ids] if i is not None})
+        engine = cfg.rollout.engine
+        if engine == "static" and not supports(self.model):
+            raise TwoWorkerError(
+                f"rollout.engine=static does not support "
+                f"{type(self.model).__name__}; use rollout.engine=hf"
+            )
+        self.static = engine == "static" or (engine == "auto" and supports(self.model))
+        self.samplers: dict[tuple[int, int], StaticSampler] = {}
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         params = self.cfg.algorithm.sampling_params
@@ -68,22 +79,18 @@ class RolloutWorker(Worker):
         group = self.cfg.algorithm.group_size
         rows = [p for p in prompts for _ in range(group)]
         pad_id = self.tokenizer.pad_token_id
-        ids, mask = left_pad(rows, pad_id)
+        # A fixed prompt width keeps the static sampler's shapes (and its CUDA graph) constant.
+        width = self.cfg.data.max_prompt_length if self.static else None
+        ids, mask = left_pad(rows, pad_id, width)
         torch.manual_seed(seed)
         outputs = []
         chunk = self.cfg.rollout.max_batch_size
         for begin in range(0, len(rows), chunk):
-            out = self.model.generate(
-                input_ids=ids[begin : begin + chunk].to(self.device),
-                attention_mask=mask[begin : begin + chunk].to(self.device),
-                eos_token_id=self.eos_ids,
-                pad_token_id=pad_id,
-                **self._sampling_kwargs(),
-            )
-            outputs.append(out[:, ids.shape[1] :].cpu())
-        width = max(o.shape[1] for o in outputs)
+            part = slice(begin, begin + chunk)
+            outputs.append(self._generate_chunk(ids[part], mask[part], pad_id))
+        longest = max(o.shape[1] for o in outputs)
         responses = torch.cat(
-            [torch.nn.functional.pad(o, (0, width - o.shape[1]), value=pad_id) for o in outputs]
+            [torch.nn.functional.pad(o, (0, longest - o.shape[1]), value=pad_id) for o in outputs]
         )
         resp_mask = response_mask(responses, self.eos_ids)
         texts = self.tokenizer.batch_decode(
@@ -99,13 +106,22 @@ class RolloutWorker(Worker):
             "generated_tokens": int(resp_mask.sum()),
         }
 
-    def receive_weights(self, sync_dtype: str) -> dict[str, float]:
-        start = time.perf_counter()
-        received = receive_weights(self.model, self.sync, getattr(torch, sync_dtype))
-        return {"bytes": received, "seconds": time.perf_counter() - start}
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return state_digest(self.model)
-
-    def weights_digest(self, sync_dtype: str) -> str:
-        return weights_digest(self.model, getattr(torch, sync_dtype))
+    def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, pad_id: int) -> torch.Tensor:
+        kwargs = self._sampling_kwargs()
+        max_new = kwargs.pop("max_new_tokens")
+        if self.static:
+            shape = (ids.shape[0], ids.shape[1] + max_new)
+            if shape not in self.samplers:
+                self.samplers[shape] = StaticSampler(self.model, *shape)
+            return self.samplers[shape].generate(
+                ids, mask, max_new, self.eos_ids, pad_id, SamplingSettings(**kwargs)
+            )
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            eos_token_id=self.eos_ids,
+            pad_token_id=pad_id,
+            max_new_tokens=max_new,
+            **kwargs,
+        )
+        return out[:, ids.shape[1] :].cpu()
