@@ -19,8 +19,17 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from rlinf_twoworker.algorithm import lr_at, ppo_clip_loss
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.models import SequenceBatch, dtype_for, load_causal_lm, response_logprobs
-from rlinf_twoworker.weight_sync import send_weights, state_digest, weights_digest
+from rlinf_twoworker.weight_sync import export_weights, send_weights
 from rlinf_twoworker.worker import Worker
+
+
+def micro_batches(cfg: GRPOConfig, rows: int, width: int) -> list[slice]:
+    """Row slices of one rank's minibatch: training_batch_size_per_gpu rows each, or as many
+    rows as fit in runner.max_tokens_per_mbs (at least one) with dynamic batch size."""
+    size = cfg.algorithm.training_batch_size_per_gpu
+    if cfg.runner.enable_dynamic_batch_size:
+        size = max(1, cfg.runner.max_tokens_per_mbs // max(width, 1))
+    return [slice(begin, begin + size) for begin in range(0, rows, size)]
 
 
 class ActorWorker(Worker):
@@ -31,6 +40,7 @@ class ActorWorker(Worker):
         self.model: Any = None
         self.optimizer: Any = None
         self.scheduler: Any = None
+        self._exported: list[torch.Tensor] = []
 
     def build(self) -> None:
         """Load, shard and set up the optimiser (after `join`, which makes the actor group)."""
@@ -88,9 +98,7 @@ class ActorWorker(Worker):
         token_mean = algo.loss_agg_func == "token-mean"
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(4, dtype=torch.float64)  # loss, clip_fraction, approx_kl, tokens
-        micro = algo.training_batch_size_per_gpu
-        for begin in range(0, len(batch), micro):
-            rows = slice(begin, begin + micro)
+        for rows in micro_batches(self.cfg, len(batch), batch.input_ids.shape[1]):
             part = batch.rows(rows).to(self.device)
             logprobs = response_logprobs(self.model, part)
             loss, metrics = ppo_clip_loss(
@@ -113,6 +121,8 @@ class ActorWorker(Worker):
                 ],
                 dtype=torch.float64,
             )
+        self._sync_device()
+        optimizer_start = time.perf_counter()
         clip = self.cfg.actor.optim.clip_grad
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), clip if clip > 0 else float("inf")
@@ -122,7 +132,9 @@ class ActorWorker(Worker):
         self.optimizer.step()
         self.scheduler.step()
         dist.all_reduce(sums, group=self.actor_group)
+        self._sync_device()
         return {
+            "optimizer_seconds": time.perf_counter() - optimizer_start,
             "loss": float(sums[0]),
             "clip_fraction": float(sums[1] / max(sums[3], 1)),
             "approx_kl": float(sums[2] / max(sums[3], 1)),
@@ -141,12 +153,32 @@ class ActorWorker(Worker):
         ]
         keys = ("loss", "clip_fraction", "approx_kl", "grad_norm")
         metrics = {k: sum(r[k] for r in results) / len(results) for k in keys}
+        seconds = time.perf_counter() - start
+        optimizer_s = sum(r["optimizer_seconds"] for r in results)
         metrics.update(
             lr=results[-1]["lr"],
             trained_tokens=sum(r["tokens"] for r in results),
-            seconds=time.perf_counter() - start,
+            seconds=seconds,
+            optimizer_seconds=optimizer_s,
+            forward_backward_seconds=seconds - optimizer_s,
         )
         return metrics
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def export_weights(self, sync_dtype: str) -> dict[str, Any]:
+        """Colocated sync: keep the weight buckets on the GPU and hand out CUDA IPC handles
+        (rank 0; other ranks only join the gathers). `release_weights` frees the buckets."""
+        start = time.perf_counter()
+        is_source = dist.get_rank() == self.sync.source
+        self._exported, handles = export_weights(self.model, getattr(torch, sync_dtype), is_source)
+        nbytes = sum(b.numel() * b.element_size() for b in self._exported)
+        return {"handles": handles, "bytes": nbytes, "seconds": time.perf_counter() - start}
+
+    def release_weights(self) -> None:
+        self._exported = []
 
     def send_weights(self, sync_dtype: str) -> dict[str, float]:
         start = time.perf_counter()
@@ -187,9 +219,3 @@ class ActorWorker(Worker):
         )
         self.scheduler.load_state_dict(inner["lr_schedulers"])
         torch.set_rng_state(inner["rng"][f"rank_{self.rank}"])
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return state_digest(self.model)
-
-    def weights_digest(self, sync_dtype: str) -> str:
-        return weights_digest(self.model, getattr(torch, sync_dtype))

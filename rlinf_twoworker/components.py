@@ -8,6 +8,7 @@ turns any failure into a ComponentError naming the component, its rank and its n
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,8 @@ class ComponentGroup:
         self.classes = {**CLASSES, **(classes or {})}
         self.members: dict[str, list[Member]] = {}
         self.timeouts = cfg.runner.timeouts
+        self._pings: dict[str, asyncio.Future] = {}
+        self.stopping = False
 
     def start(self) -> None:
         """Create every actor (model loading starts in parallel); `wait_started` awaits them."""
@@ -159,14 +162,22 @@ class ComponentGroup:
         per_member: list[tuple] | None = None,
     ) -> list[Any]:
         """The same method on several members concurrently (a collective must be entered by
-        all); the first failure cancels the wait on the others and is raised."""
-        calls = [
-            self.call(
-                m, method, *(per_member[i] if per_member else args), timeout=timeout, stage=stage
-            )
-            for i, m in enumerate(members)
-        ]
-        return list(await asyncio.gather(*calls))
+        all); the first failure cancels the wait on the others and is raised at once, so a
+        collective stalled by a dead member never holds the run (a death is preferred as the
+        error when several members failed together)."""
+        argss = per_member or [args] * len(members)
+        return await gather_fail_fast(
+            [self.call(m, method, *a, timeout=timeout, stage=stage) for m, a in zip(members, argss)]
+        )
+
+    def shared_gpus(self) -> tuple[bool, bool]:
+        """Whether the weight sync's cross group (actor 0, rollout) and fan-out group (rollout,
+        inference) join processes on one GPU, where NCCL cannot run between them."""
+        if self.cfg.cluster.accelerator != "cuda":
+            return (False, False)
+        source = self.actors()[0].slot.resource_rank
+        ranks = [self.one(c).slot.resource_rank for c in ("rollout", "inference")]
+        return (source == ranks[0], len(set(ranks)) < len(ranks))
 
     def topology(self) -> list[Placed]:
         rows = []
@@ -185,7 +196,62 @@ class ComponentGroup:
             )
         return rows
 
+    # ---- liveness -----------------------------------------------------------------------
+    def died(self, member: Member, exc: BaseException | str) -> ComponentError:
+        """The error that reports `member`'s process (or node) as dead."""
+        cause = exc if isinstance(exc, str) else death_cause(exc)
+        return ComponentError(member.slot.component, member.slot.rank, self.describe(member), cause)
+
+    def check_alive(self, alive_nodes: set[str] | None) -> ComponentError | None:
+        """One round of the liveness watch: the error of the first member whose process or
+        node is dead, else None.
+
+        One ping is kept in flight per member. On a busy member it waits behind the running
+        call, but it fails as soon as the process dies, so a death is seen even while no call
+        to that member is in flight."""
+        if self.stopping:
+            return None
+        for member in self.all():
+            node = str(member.where.get("node_id") or "")
+            if alive_nodes is not None and node and node not in alive_nodes:
+                return self.died(
+                    member,
+                    f"its node {node[:8]} ({member.where.get('ip', '?')}) is dead (removed from "
+                    "the cluster or unreachable); the run cannot continue without it",
+                )
+            ping = self._pings.get(member.slot.name)
+            if ping is not None and ping.done():
+                error = None if ping.cancelled() else ping.exception()
+                if is_death(error):
+                    return self.died(member, error)
+                ping = None  # answered, or only unavailable for now: ask again
+            if ping is None:
+                self._pings[member.slot.name] = asyncio.ensure_future(_ping(member.handle))
+        return None
+
+    async def find_dead(self, timeout: float) -> list[tuple[Member, BaseException]]:
+        """Members whose process is dead, each with Ray's error; a member that does not answer
+        within `timeout` (busy, or stalled in a collective) is not counted as dead."""
+
+        async def probe(member: Member) -> BaseException | None:
+            try:
+                await asyncio.wait_for(_ping(member.handle), timeout)
+            except Exception as exc:  # a timeout or an unavailable actor is not a death
+                return exc if is_death(exc) else None
+            return None
+
+        members = self.all()
+        errors = await asyncio.gather(*(probe(m) for m in members))
+        return [(m, e) for m, e in zip(members, errors) if e is not None]
+
+    def stop_watch(self) -> None:
+        self.stopping = True
+        for ping in self._pings.values():
+            ping.cancel()
+        self._pings.clear()
+
     def kill(self) -> None:
+        self.stopping = True  # our own kills are not deaths to report
         for member in self.all():
             try:
                 ray.kill(member.handle, no_restart=True)
@@ -193,7 +259,50 @@ class ComponentGroup:
                 pass
 
 
+async def gather_fail_fast(calls: list[Awaitable[Any]]) -> list[Any]:
+    """Await all calls; at the first failure stop waiting on the others and raise it (a death
+    first, when several failed together). asyncio.gather would leave the others running."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op for finished ones
+    failed = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]
+    if failed:
+        raise min(failed, key=lambda exc: not is_death(exc.__cause__))
+    return [t.result() for t in tasks]
+
+
+async def _ping(handle: Any) -> Any:
+    return await handle.ping.remote()
+
+
+def is_death(exc: BaseException | None) -> bool:
+    """Ray says the actor's process is gone for good (max_restarts=0): killed, crashed, its
+    node lost, or its constructor failed. An ActorUnavailableError is not (yet) a death."""
+    return isinstance(exc, ray.exceptions.ActorDiedError)
+
+
+def death_cause(exc: BaseException) -> str:
+    """One line out of Ray's ActorDiedError: how the process died."""
+    if not isinstance(exc, ray.exceptions.RayActorError):
+        return _short(exc)
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if exc.actor_init_failed:
+        return f"its constructor failed: {lines[-1] if lines else type(exc).__name__}"
+    pid = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("pid:")), "?")
+    reason = next((line for line in lines if line.startswith("The actor is dead")), lines[-1])
+    reason = reason.split(" Some common causes")[0].rstrip(".")
+    return (
+        f"its process (pid {pid}) died: {reason}. Look for the reason (OOM killer, a crash) in "
+        "that node's Ray worker logs, then start a new run, resuming from the last checkpoint"
+    )
+
+
 def _short(exc: BaseException) -> str:
+    if isinstance(exc, ray.exceptions.ActorDiedError):
+        return death_cause(exc)
     text = str(exc).strip()
     cause = getattr(exc, "cause", None)
     if cause is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import traceback
 from pathlib import Path
@@ -18,14 +19,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rlinf_twoworker import checkpoint as ckpt
-from rlinf_twoworker.components import ComponentGroup
+from rlinf_twoworker.components import ComponentGroup, is_death
 from rlinf_twoworker.config import to_typed
 from rlinf_twoworker.data import PromptSampler, encode_prompts, load_jsonl
-from rlinf_twoworker.errors import RunCancelledError
+from rlinf_twoworker.errors import ClusterError, ComponentError, RunCancelledError
 from rlinf_twoworker.grpo_step import run_step, sync_weights
 from rlinf_twoworker.metrics import MetricsWriter
 from rlinf_twoworker.models import load_tokenizer
 from rlinf_twoworker.placement import (
+    bundle_node_ids,
     placement_timeout_error,
     request_placement_group,
     resolve_placement,
@@ -59,6 +61,9 @@ class RunController:
         self.checkpoints = {n: _Future() for n in ckpt.scheduled_steps(self.cfg)}
         self.preflight_f, self.result_f, self.placement_f = _Future(), _Future(), _Future()
         self.error: BaseException | None = None
+        self.detected: BaseException | None = None  # a death the watchdog saw
+        self.bundle_nodes: list[str] = []
+        self.samples: list[Any] = []
         self.group: ComponentGroup | None = None
         self.pg: Any = None
         self.task: asyncio.Task | None = None
@@ -107,6 +112,7 @@ class RunController:
             "metrics": dict(self.last),
             "error": None if self.error is None else str(self.error),
             "elapsed_s": time.time() - self.started_at,
+            "controller_pid": os.getpid(),
         }
 
     async def cancel(self) -> bool:
@@ -120,18 +126,27 @@ class RunController:
 
     # ---- the run ---------------------------------------------------------------------------
     async def _run(self) -> None:
+        watchdog = asyncio.get_running_loop().create_task(self._watchdog())
         try:
             self.state = "running"
             await self._setup()
             await self._train()
+            watchdog.cancel()  # before the components are released on purpose
             report = await self._finish()
             self.state = "succeeded" if report.passed else "failed"
             self.result_f.set(report)
         except asyncio.CancelledError:
-            self._fail(RunCancelledError(f"run {self.run_id} was cancelled"), "cancelled")
+            if self.detected is not None:  # the watchdog stopped the run: a death, not a cancel
+                self._fail(self.detected, "failed")
+            else:
+                self._fail(RunCancelledError(f"run {self.run_id} was cancelled"), "cancelled")
         except BaseException as exc:  # every failure must resolve the futures
-            self._fail(exc, "failed")
+            watchdog.cancel()
+            self._fail(await self._root_cause(exc), "failed")
         finally:
+            watchdog.cancel()
+            if self.group is not None:
+                self.group.stop_watch()
             await asyncio.to_thread(self._release)
 
     async def _setup(self) -> None:
@@ -145,9 +160,18 @@ class RunController:
             await asyncio.wait_for(self.pg.ready(), timeouts.placement_s)
         except asyncio.TimeoutError:
             raise placement_timeout_error(cfg.cluster, name, timeouts.placement_s) from None
+        self.bundle_nodes = await asyncio.to_thread(bundle_node_ids, self.pg)
         self.placement_f.set(self.pg)
         report = await asyncio.to_thread(run_preflight, cfg, self.pg, self.run_dir, self.log.status)
         self.preflight_f.set(report)
+        data = cfg.data  # bad data fails the run here, before any model is loaded
+        self.samples = await asyncio.to_thread(
+            load_jsonl,
+            data.train_data_paths,
+            data.prompt_key,
+            data.answer_key,
+            data.skip_malformed_lines,
+        )
         self.group = ComponentGroup(cfg, self.run_id, placement, self.pg, self.classes)
         self.group.start()
         await self.group.wait_started()
@@ -168,8 +192,9 @@ class RunController:
         )
         actor_ranks = list(range(len(actors)))
         consumer_ranks = [len(actors), len(actors) + 1]
+        shared = group.shared_gpus()
         args = [
-            (tuple(master), i, len(members), actor_ranks, consumer_ranks)
+            (tuple(master), i, len(members), actor_ranks, consumer_ranks, shared)
             for i in range(len(members))
         ]
         await group.call_each(
@@ -185,20 +210,17 @@ class RunController:
 
     async def _train(self) -> None:
         cfg = self.cfg
-        data = cfg.data
-        samples = await asyncio.to_thread(
-            load_jsonl,
-            data.train_data_paths,
-            data.prompt_key,
-            data.answer_key,
-            data.skip_malformed_lines,
-        )
+        data, samples = cfg.data, self.samples
         tokenizer = load_tokenizer(
             cfg.actor.tokenizer.tokenizer_model or cfg.actor.model.model_path
         )
         sampler = PromptSampler(len(samples), data.rollout_batch_size, data.shuffle, data.seed)
         if self.resume_step:
             sampler.load_state_dict(ckpt.load_data_state(self.resume_from)["sampler"])
+        for step in range(1, self.resume_step + 1):  # steps done by the run we resumed from
+            self.steps[step].set(StepResult(step, {}, {}))
+            if step in self.checkpoints:
+                self.checkpoints[step].set(ckpt.inherited_info(self.resume_from, step))
         writer = MetricsWriter(self.run_dir)
         try:
             for step in range(self.resume_step + 1, cfg.runner.max_steps + 1):
@@ -229,8 +251,6 @@ class RunController:
                     self.checkpoints[step].set(info)
         finally:
             writer.close()
-        for step in range(1, self.resume_step + 1):  # steps done by the run we resumed from
-            self.steps[step].set(StepResult(step, {}, {}))
         self.log.info(f"Step limit given by max_steps={cfg.runner.max_steps} reached. Stopping run")
         self.log.status("RLINF_PYTHON_EXIT_CODE=0")
 
@@ -248,6 +268,59 @@ class RunController:
             expected_placement=placement,
         )
 
+    # ---- failure detection -------------------------------------------------------------------
+    async def _watchdog(self) -> None:
+        """Fail the run within runner.timeouts.failure_detection_s when a component's process
+        or a node of the placement group dies, even while no call to it is in flight (the
+        reward actor dying during the actor update). Calls in flight fail on their own."""
+        period = min(5.0, self.cfg.runner.timeouts.failure_detection_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            error = await self._liveness_error()
+            if error is not None and self.task is not None:
+                self.detected = error
+                self.task.cancel()
+                return
+
+    async def _liveness_error(self) -> BaseException | None:
+        try:
+            alive = await asyncio.to_thread(_alive_node_ids)
+        except Exception:  # the GCS did not answer this round: the pings still watch
+            alive = None
+        if self.group is not None:
+            error = self.group.check_alive(alive)
+            if error is not None:
+                return error
+        dead = [n for n in self.bundle_nodes if alive is not None and n not in alive]
+        if dead:
+            bundle = self.bundle_nodes.index(dead[0])
+            return ClusterError(
+                f"node {dead[0][:8]} holding bundle {bundle} of placement group "
+                f"{self.run_id}:pg is dead (removed from the cluster or unreachable); the run "
+                "cannot continue: check the node, then start a new run (or resume)"
+            )
+        return None
+
+    async def _root_cause(self, exc: BaseException) -> BaseException:
+        """A call that failed because a peer died (a collective broken by a dead rank) is
+        reported as that peer's death: the dead process is the cause, not the survivor."""
+        if self.group is None or not isinstance(exc, ComponentError):
+            return exc
+        if is_death(exc.__cause__):  # the failed call's own process died: already the cause
+            return exc
+        budget = min(5.0, self.cfg.runner.timeouts.failure_detection_s / 4)
+        dead = await self.group.find_dead(budget)
+        if not dead:
+            return exc
+        member, died = dead[0]
+        error = self.group.died(member, died)
+        return ComponentError(
+            error.component,
+            error.rank,
+            error.node,
+            f"{error.cause} (then {exc.component} rank {exc.rank} failed: {exc.cause})",
+        )
+
     # ---- failure and clean-up ----------------------------------------------------------------
     def _fail(self, exc: BaseException, state: str) -> None:
         self.error, self.state = exc, state
@@ -263,6 +336,8 @@ class RunController:
             "step": self.current_step,
             "time": time.time(),
         }
+        if isinstance(exc, ComponentError):
+            record.update(component=exc.component, rank=exc.rank, node=exc.node, cause=exc.cause)
         atomic_write_text(self.run_dir / FAILURE_JSON, json.dumps(record, indent=2))
         for future in [
             *self.steps.values(),
@@ -279,6 +354,12 @@ class RunController:
             self.group.kill()
         if self.pg is not None:
             wait_removed(self.pg)
+
+
+def _alive_node_ids() -> set[str]:
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
 def _step_line(step: int, max_steps: int, result: StepResult) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rlinf_twoworker.algorithm import group_advantages
-from rlinf_twoworker.components import ComponentGroup
+from rlinf_twoworker.components import ComponentGroup, gather_fail_fast
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.models import SequenceBatch
 from rlinf_twoworker.results import StepResult
@@ -57,14 +57,37 @@ async def sync_weights(group: ComponentGroup, cfg: GRPOConfig) -> dict[str, floa
     """Actor ranks send, rollout and inference receive: one collective, entered by all."""
     dtype = sync_dtype(cfg)
     timeout = cfg.runner.timeouts.step_s
-    members = [*group.actors(), group.one("rollout"), group.one("inference")]
-    methods = ["send_weights"] * len(group.actors()) + ["receive_weights"] * 2
-    results = await _gather_methods(group, members, methods, (dtype,), timeout, "weight sync")
-    synced = {"bytes": float(results[0]["bytes"]), "seconds": max(r["seconds"] for r in results)}
+    start = time.perf_counter()
+    if group.shared_gpus() == (True, True):
+        nbytes = await _sync_through_ipc(group, dtype, timeout)
+    else:
+        members = [*group.actors(), group.one("rollout"), group.one("inference")]
+        methods = ["send_weights"] * len(group.actors()) + ["receive_weights"] * 2
+        results = await _gather_methods(group, members, methods, (dtype,), timeout, "weight sync")
+        nbytes = results[0]["bytes"]
+    synced = {"bytes": float(nbytes), "seconds": time.perf_counter() - start}
     if cfg.rollout.validate_weight:
         await check_weights(group, dtype, timeout)
         synced["verified"] = 1.0
     return synced
+
+
+async def _sync_through_ipc(group: ComponentGroup, dtype: str, timeout: float) -> int:
+    """Every process on one GPU: the actor exports its buckets, the copies map and copy them,
+    then the actor frees them."""
+    actors = group.actors()
+    exported = await group.call_each(
+        actors, "export_weights", dtype, timeout=timeout, stage="weight export"
+    )
+    handles = exported[0]["handles"]
+    consumers = [group.one("rollout"), group.one("inference")]
+    try:
+        await group.call_each(
+            consumers, "import_weights", handles, dtype, timeout=timeout, stage="weight import"
+        )
+    finally:
+        await group.call_each(actors, "release_weights", timeout=timeout, stage="weight release")
+    return exported[0]["bytes"]
 
 
 async def check_weights(group: ComponentGroup, dtype: str, timeout: float) -> None:
@@ -96,13 +119,11 @@ async def _gather_methods(
     timeout: float,
     stage: str,
 ) -> list[Any]:
-    import asyncio
-
     calls = [
         group.call(m, name, *args, timeout=timeout, stage=stage)
         for m, name in zip(members, methods)
     ]
-    return list(await asyncio.gather(*calls))
+    return await gather_fail_fast(calls)
 
 
 async def run_step(
@@ -181,6 +202,8 @@ async def run_step(
         "time/reward": reward_s,
         "time/inference": old["seconds"],
         "time/actor/training": train_s,
+        "time/actor/forward_backward": max(r["forward_backward_seconds"] for r in trained),
+        "time/actor/optimizer": max(r["optimizer_seconds"] for r in trained),
         "time/sync_weights": synced["seconds"],
         "time/step": total,
     }

@@ -13,11 +13,10 @@ import torch
 
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.models import SequenceBatch, dtype_for, load_causal_lm, response_logprobs
-from rlinf_twoworker.weight_sync import receive_weights, state_digest, weights_digest
-from rlinf_twoworker.worker import Worker
+from rlinf_twoworker.worker import PolicyCopy
 
 
-class InferenceWorker(Worker):
+class InferenceWorker(PolicyCopy):
     """A forward-only copy of the policy."""
 
     def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
@@ -35,14 +34,3 @@ class InferenceWorker(Worker):
             parts.append(response_logprobs(self.model, rows).cpu())
         logprobs = torch.cat(parts) * batch.response_mask
         return {"logprobs": logprobs, "seconds": time.perf_counter() - start}
-
-    def receive_weights(self, sync_dtype: str) -> dict[str, float]:
-        start = time.perf_counter()
-        received = receive_weights(self.model, self.sync, getattr(torch, sync_dtype))
-        return {"bytes": received, "seconds": time.perf_counter() - start}
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return state_digest(self.model)
-
-    def weights_digest(self, sync_dtype: str) -> str:
-        return weights_digest(self.model, getattr(torch, sync_dtype))

@@ -102,7 +102,11 @@ def verify_run(
     report.errors += _check_logs(run_dir, target_steps)
     report.errors += _check_config(run_dir, report, placement)
     report.errors += _check_metrics(run_dir, report)
-    report.errors += _check_checkpoint(run_dir, report)
+    # One shard per FSDP actor rank: two in the tutorial's placement ("2-3").
+    min_shards = len(
+        parse_ranks(placement.get("actor", "2-3"), "cluster.component_placement.actor")
+    )
+    report.errors += _check_checkpoint(run_dir, report, min_shards)
     report.errors += _read_workers(run_dir, report)
     report.passed = not report.errors
     _log_result(report, log)
@@ -292,7 +296,7 @@ def _check_metrics(run_dir: Path, report: VerificationReport) -> list[str]:
     return errors
 
 
-def _check_checkpoint(run_dir: Path, report: VerificationReport) -> list[str]:
+def _check_checkpoint(run_dir: Path, report: VerificationReport, min_shards: int = 2) -> list[str]:
     ckpt = checkpoint_dir(run_dir, report.target_steps)
     if not ckpt.is_dir():
         return [
@@ -313,11 +317,11 @@ def _check_checkpoint(run_dir: Path, report: VerificationReport) -> list[str]:
             f"{metadata} is missing or empty; the sharded actor checkpoint is incomplete and "
             "cannot be loaded: the save did not finish"
         )
-    if report.actor_fsdp_shards < 2:
+    if report.actor_fsdp_shards < min_shards:
         errors.append(
             f"{dcp_dir} has {report.actor_fsdp_shards} non-empty *.distcp shard(s) (files: "
-            f"{[p.name for p in shards]}); a run with two FSDP actor ranks writes at least two: "
-            "a rank did not save"
+            f"{[p.name for p in shards]}); a run with {min_shards} FSDP actor ranks writes at "
+            f"least {min_shards}: a rank did not save"
         )
     if not data.is_file() or data.stat().st_size == 0:
         errors.append(

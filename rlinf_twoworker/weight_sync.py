@@ -9,6 +9,7 @@ object store or files. Both sides derive the same bucket layout from the same ar
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,16 +27,34 @@ class SyncGroups:
     consumers: tuple[int, ...]  # relay first
     cross: object  # group {source, relay}
     fanout: object | None  # group {consumers}, None when there is one consumer
+    cross_on_host: bool = False  # the group is gloo: GPU buckets travel through host memory
+    fanout_on_host: bool = False
 
 
 def new_sync_groups(
-    actor_ranks: list[int], consumer_ranks: list[int], backend: str | None = None
+    actor_ranks: list[int],
+    consumer_ranks: list[int],
+    shared_gpu: tuple[bool, bool] = (False, False),
 ) -> SyncGroups:
-    """Create the groups; every process of the world must call this, in the same order."""
+    """Create the groups; every process of the world must call this, in the same order.
+
+    NCCL cannot join two processes on one GPU, so a group whose members share a GPU (the
+    colocated single-GPU topology) uses gloo and stages buckets in host memory instead."""
     source, relay = actor_ranks[0], consumer_ranks[0]
-    cross = dist.new_group([source, relay], backend=backend)
-    fanout = dist.new_group(consumer_ranks, backend=backend) if len(consumer_ranks) > 1 else None
-    return SyncGroups(source, relay, tuple(consumer_ranks), cross, fanout)
+    cross = dist.new_group([source, relay], backend="gloo" if shared_gpu[0] else None)
+    fanout = None
+    if len(consumer_ranks) > 1:
+        fanout = dist.new_group(consumer_ranks, backend="gloo" if shared_gpu[1] else None)
+    return SyncGroups(source, relay, tuple(consumer_ranks), cross, fanout, *shared_gpu)
+
+
+def _broadcast(flat: torch.Tensor, src: int, group: object, on_host: bool) -> None:
+    if on_host and flat.device.type == "cuda":
+        staged = flat.cpu()
+        dist.broadcast(staged, src=src, group=group)
+        flat.copy_(staged)
+    else:
+        dist.broadcast(flat, src=src, group=group)
 
 
 def bucket_plan(shapes: list[torch.Size], itemsize: int, bucket_bytes: int) -> list[list[int]]:
@@ -56,6 +75,27 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
+def _source_buckets(
+    model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int, is_source: bool
+) -> Iterator[torch.Tensor]:
+    """Flat buckets of the full weights, yielded on the source; every actor rank must iterate
+    (gathering a full tensor is a collective of the actor group)."""
+    params = [p for _, p in model.named_parameters()]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for bucket in bucket_plan([p.shape for p in params], itemsize, bucket_bytes):
+        fulls = [_full(params[i]) for i in bucket]
+        if is_source:
+            yield torch.cat([t.detach().to(dtype).reshape(-1) for t in fulls])
+
+
+def _unpack(flat: torch.Tensor, params: list[torch.Tensor], bucket: list[int]) -> None:
+    offset = 0
+    for i in bucket:
+        n = params[i].numel()
+        params[i].copy_(flat[offset : offset + n].view_as(params[i]))
+        offset += n
+
+
 @torch.no_grad()
 def send_weights(
     model: torch.nn.Module,
@@ -64,17 +104,10 @@ def send_weights(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> int:
     """Actor side (all actor ranks call it). Returns the bytes broadcast by the source."""
-    params = [p for _, p in model.named_parameters()]
-    is_source = dist.get_rank() == groups.source
     sent = 0
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    for bucket in bucket_plan([p.shape for p in params], itemsize, bucket_bytes):
-        fulls = [_full(params[i]) for i in bucket]  # collective over the actor group
-        if not is_source:
-            continue
-        flat = torch.cat([t.detach().to(dtype).reshape(-1) for t in fulls])
-        dist.broadcast(flat, src=groups.source, group=groups.cross)
-        sent += flat.numel() * itemsize
+    for flat in _source_buckets(model, dtype, bucket_bytes, dist.get_rank() == groups.source):
+        _broadcast(flat, groups.source, groups.cross, groups.cross_on_host)
+        sent += flat.numel() * flat.element_size()
     return sent
 
 
@@ -88,21 +121,61 @@ def receive_weights(
     """Consumer side (rollout, inference). Returns the bytes received."""
     params = [p for _, p in model.named_parameters()]
     rank = dist.get_rank()
-    device = params[0].device
     received = 0
     itemsize = torch.empty((), dtype=dtype).element_size()
     for bucket in bucket_plan([p.shape for p in params], itemsize, bucket_bytes):
-        flat = torch.empty(sum(params[i].numel() for i in bucket), dtype=dtype, device=device)
+        numel = sum(params[i].numel() for i in bucket)
+        flat = torch.empty(numel, dtype=dtype, device=params[0].device)
         if rank == groups.relay:
-            dist.broadcast(flat, src=groups.source, group=groups.cross)
+            _broadcast(flat, groups.source, groups.cross, groups.cross_on_host)
         if groups.fanout is not None:
-            dist.broadcast(flat, src=groups.relay, group=groups.fanout)
-        offset = 0
-        for i in bucket:
-            n = params[i].numel()
-            params[i].copy_(flat[offset : offset + n].view_as(params[i]))
-            offset += n
+            _broadcast(flat, groups.relay, groups.fanout, groups.fanout_on_host)
+        _unpack(flat, params, bucket)
+        received += numel * itemsize
+    return received
+
+
+@torch.no_grad()
+def export_weights(
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    is_source: bool,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> tuple[list[torch.Tensor], list]:
+    """Colocated sync, actor side: the buckets stay on the GPU and consumers map them through
+    CUDA IPC handles (no host copy, no NCCL between processes of one GPU). The caller keeps
+    the returned buckets alive until every consumer has imported them."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    buckets = list(_source_buckets(model, dtype, bucket_bytes, is_source))
+    if buckets:
+        torch.cuda.synchronize()  # the buckets are complete before anyone maps them
+    return buckets, [reduce_tensor(b) for b in buckets]
+
+
+@torch.no_grad()
+def import_weights(
+    model: torch.nn.Module,
+    handles: list,
+    dtype: torch.dtype,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> int:
+    """Colocated sync, consumer side: copy each bucket from the actor's GPU memory."""
+    params = [p for _, p in model.named_parameters()]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    plan = bucket_plan([p.shape for p in params], itemsize, bucket_bytes)
+    if len(plan) != len(handles):
+        raise RuntimeError(
+            f"weight sync: {len(handles)} buckets exported, {len(plan)} expected; "
+            "the actor's and this component's models differ in architecture"
+        )
+    received = 0
+    for bucket, (rebuild, args) in zip(plan, handles):
+        flat = rebuild(*args)
+        _unpack(flat, params, bucket)
         received += flat.numel() * itemsize
+        del flat
+    torch.cuda.synchronize()  # copies done before the actor may free the buckets
     return received
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from rlinf_twoworker import weight_sync
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.models import device_for
 from rlinf_twoworker.weight_sync import SyncGroups, new_sync_groups
@@ -39,6 +41,8 @@ def free_port(host: str) -> int:
 
 class Worker:
     """Identity, device and process-group membership of one component process."""
+
+    model: Any
 
     def __init__(self, cfg: GRPOConfig, component: str, rank: int) -> None:
         self.cfg, self.component, self.rank = cfg, component, rank
@@ -79,6 +83,7 @@ class Worker:
         world_size: int,
         actor_ranks: list[int],
         consumer_ranks: list[int],
+        shared_gpu: tuple[bool, bool] = (False, False),
     ) -> None:
         """Join the run's world process group and create the sub-groups (same order everywhere)."""
         if self.device.type == "cuda":
@@ -88,15 +93,16 @@ class Worker:
             # Keep collectives on loopback when the whole cluster lives on one host.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        # One default group with a backend per device: NCCL for GPU tensors, gloo for CPU ones.
         dist.init_process_group(
-            self.backend,
+            "cpu:gloo,cuda:nccl" if self.backend == "nccl" else "gloo",
             init_method=f"tcp://{master[0]}:{master[1]}",
             rank=world_rank,
             world_size=world_size,
             timeout=timeout,
         )
         self.actor_group = dist.new_group(actor_ranks)
-        self.sync = new_sync_groups(actor_ranks, consumer_ranks)
+        self.sync = new_sync_groups(actor_ranks, consumer_ranks, tuple(shared_gpu))
 
     def leave(self) -> None:
         if dist.is_initialized():
@@ -104,3 +110,29 @@ class Worker:
 
     def ping(self) -> bool:
         return True
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Full parameters on the CPU (a collective on the actor's ranks)."""
+        return weight_sync.state_digest(self.model)
+
+    def weights_digest(self, sync_dtype: str) -> str:
+        """SHA-256 of the full parameters in the sync dtype (a collective on the actor's ranks)."""
+        return weight_sync.weights_digest(self.model, getattr(torch, sync_dtype))
+
+
+class PolicyCopy(Worker):
+    """A component holding a copy of the policy (rollout, inference): it receives weights."""
+
+    model: torch.nn.Module
+
+    def receive_weights(self, sync_dtype: str) -> dict[str, float]:
+        """Take part in the collective weight sync (actor ranks send)."""
+        start = time.perf_counter()
+        got = weight_sync.receive_weights(self.model, self.sync, getattr(torch, sync_dtype))
+        return {"bytes": got, "seconds": time.perf_counter() - start}
+
+    def import_weights(self, handles: list, sync_dtype: str) -> dict[str, float]:
+        """Colocated sync: copy the actor's exported buckets through CUDA IPC."""
+        start = time.perf_counter()
+        got = weight_sync.import_weights(self.model, handles, getattr(torch, sync_dtype))
+        return {"bytes": got, "seconds": time.perf_counter() - start}

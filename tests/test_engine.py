@@ -215,3 +215,31 @@ def test_policy_learns_to_answer_seven(cluster_2x2, inputs, tmp_path):
     ]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 3.0, rewards
+
+
+def _final_weights(run_dir: Path, step: int, tmp: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{run_dir.name}.pt"
+    dcp_to_torch_save(str(run_dir / f"checkpoints/global_step_{step}/actor/dcp_checkpoint"), out)
+    return torch.load(out, weights_only=False)["fsdp_checkpoint"]["model"]
+
+
+def test_dynamic_batch_size_gives_the_same_update(cluster_2x2, inputs, tmp_path):
+    """Token-budget micro-batches change how rows are grouped, never the update itself."""
+    common = ["runner.max_steps=1", "runner.save_interval=1", "actor.optim.lr=1e-3",
+              "algorithm.n_minibatches=2"]
+    runs = {"fixed": common,
+            "dynamic": [*common, "runner.enable_dynamic_batch_size=true",
+                        "runner.max_tokens_per_mbs=400"]}
+    weights = {}
+    for name, overrides in runs.items():
+        handle = run_grpo_two_worker(demo_config(inputs, tmp_path, name, overrides))
+        assert handle.result(timeout=TIMEOUT).passed
+        weights[name] = _final_weights(tmp_path / name, 1, tmp_path)
+    initial = load_file(str(Path(inputs.model_path) / "model.safetensors"))
+    moved = 0
+    for key, value in weights["fixed"].items():
+        torch.testing.assert_close(weights["dynamic"][key], value, rtol=1e-5, atol=1e-6)
+        moved += int(key in initial and not torch.equal(initial[key], value))
+    assert moved > 0
