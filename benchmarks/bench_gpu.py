@@ -1,0 +1,256 @@
+"""GPU benchmark suite: one command, JSON out, a table last.
+
+    python benchmarks/bench_gpu.py --out results.json [--quick]
+
+Sections (each a median of several timed runs after warm-up, CUDA-synchronised):
+  rollout    decode tokens/s of transformers' generate vs the library's static sampler
+  inference  log-prob recompute tokens/s (bf16, micro-batched)
+  actor      FSDP2 training tokens/s and MFU (bf16 params, fp32 reduce, fused AdamW)
+  grpo_step  full colocated GRPO steps of the starting config through run_grpo_two_worker
+The model is the DeepSeek-R1-Distill-Qwen-1.5B shape (Qwen2, random weights) saved to a local
+directory, so the library's real loading code runs. Timing lives here, never in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+QWEN_1P5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                 num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def timed(fn, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    t = statistics.median(timed(lambda: a @ b, 10))
+    return 2 * 8192**3 / t / 1e12
+
+
+def make_model_dir(root: Path) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlinf_twoworker.demo import build_tokenizer
+    from rlinf_twoworker.manifest import write_manifest
+
+    path = root / "qwen2-1.5b-random"
+    if (path / "SHA256SUMS").exists():
+        return path
+    tokenizer = build_tokenizer()
+    cfg = Qwen2Config(**QWEN_1P5B, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    write_manifest(path)
+    return path
+
+
+def bench_rollout(model_dir: Path, quick: bool) -> dict:
+    from rlinf_twoworker.models import load_causal_lm
+    from rlinf_twoworker.sampler import SamplingSettings, StaticSampler
+
+    model = load_causal_lm(model_dir, torch.bfloat16, torch.device("cuda")).eval()
+    prompt, new = 256, 128 if quick else 512
+    out = {"prompt_tokens": prompt, "new_tokens": new}
+    eos = [10**9]  # never stops early: every row decodes `new` tokens
+    for batch in (64, 256):
+        ids = torch.randint(100, 150000, (batch, prompt), device="cuda")
+        mask = torch.ones_like(ids)
+        sampler = StaticSampler(model, batch, prompt + new)
+        settings = SamplingSettings(do_sample=True, temperature=1.0)
+        run = functools.partial(sampler.generate, ids, mask, new, eos, 0, settings)
+        run()  # capture the graph
+        t_static = statistics.median(timed(run, 3))
+        gen = functools.partial(model.generate, input_ids=ids, attention_mask=mask,
+                                do_sample=True, pad_token_id=0)
+        gen(max_new_tokens=8, min_new_tokens=8)
+        t_hf = statistics.median(timed(functools.partial(
+            gen, max_new_tokens=new, min_new_tokens=new), 1))
+        out[f"batch_{batch}"] = {
+            "static_tokens_per_s": batch * new / t_static,
+            "generate_tokens_per_s": batch * new / t_hf,
+            "speedup": t_hf / t_static, "static_s": t_static, "generate_s": t_hf}
+    # Greedy agreement with generate (bf16: kernels differ, so report the matching prefix).
+    ids = torch.randint(100, 150000, (8, 64), device="cuda")
+    mask = torch.ones_like(ids)
+    mine = StaticSampler(model, 8, 64 + 32).generate(ids, mask, 32, eos, 0,
+                                                     SamplingSettings(do_sample=False))
+    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=32,
+                         min_new_tokens=32, pad_token_id=0)[:, 64:].cpu()
+    same = (mine == ref).cumprod(-1).sum(-1).float()
+    out["greedy_matching_prefix_mean"] = float(same.mean())
+    return out
+
+
+def bench_inference(model_dir: Path) -> dict:
+    from rlinf_twoworker.models import load_causal_lm
+
+    model = load_causal_lm(model_dir, torch.bfloat16, torch.device("cuda")).eval()
+    out = {}
+    for micro in (4, 16):
+        ids = torch.randint(100, 150000, (micro, 1024), device="cuda")
+
+        run = functools.partial(_logprob_pass, model, ids)
+        run()
+        t = statistics.median(timed(run, 5))
+        out[f"micro_{micro}_tokens_per_s"] = micro * 1024 / t
+    return out
+
+
+@torch.no_grad()
+def _logprob_pass(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    from rlinf_twoworker.algorithm import token_logprobs
+
+    logits = model(input_ids=ids, use_cache=False).logits
+    token_logprobs(logits[:, 255:-1], ids[:, 256:])
+
+
+def _train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+    from rlinf_twoworker.algorithm import token_logprobs
+
+    logits = model(input_ids=ids).logits
+    loss = -token_logprobs(logits[:, :-1], ids[:, 1:]).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
+def bench_actor(model_dir: Path, peak_tflops: float, quick: bool) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from rlinf_twoworker.models import load_causal_lm
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    model = load_causal_lm(model_dir, torch.float32, torch.device("cuda"))
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    mesh = init_device_mesh("cuda", (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    out = {"params": n_params}
+    for batch, seq in ((8, 2048),) if not quick else ((4, 1024),):
+        ids = torch.randint(100, 150000, (batch, seq), device="cuda")
+
+        step = functools.partial(_train_step, model, optim, ids)
+        step()
+        t = statistics.median(timed(step, 3))
+        tokens_s = batch * seq / t
+        # 6 N per token for forward + backward, plus one more forward for the recompute.
+        flops = 8 * n_params * tokens_s
+        out[f"b{batch}_s{seq}"] = {"tokens_per_s": tokens_s, "step_s": t,
+                                   "mfu_vs_measured_peak": flops / (peak_tflops * 1e12),
+                                   "mfu_6N_vs_measured_peak": 6 * n_params * tokens_s
+                                   / (peak_tflops * 1e12)}
+    dist.destroy_process_group()
+    return out
+
+
+def bench_grpo_step(model_dir: Path, root: Path, steps: int) -> dict:
+    import ray
+
+    from rlinf_twoworker.config import load_config
+    from rlinf_twoworker.demo import make_inputs
+    from rlinf_twoworker.handle import run_grpo_two_worker
+    from rlinf_twoworker.local import LocalCluster
+
+    data = make_inputs(root / "inputs").data_path
+    model = str(model_dir)
+    overrides = [
+        "cluster.num_nodes=1", "cluster.num_gpus_per_node=1",
+        "cluster.component_placement={rollout:0,inference:0,actor:0,reward:0}",
+        f"actor.model.model_path={model}", f"rollout.model.model_path={model}",
+        f"inference.model.model_path={model}", f"data.train_data_paths=[{data}]",
+        f"runner.output_dir={root / 'runs'}", "runner.experiment_name=bench",
+        f"runner.max_steps={steps}", f"runner.save_interval={steps}",
+        "rollout.validate_weight=false", "algorithm.logprob_forward_micro_batch_size=16",
+    ]
+    cfg = load_config(overrides=overrides)
+    t0 = time.perf_counter()
+    with LocalCluster(num_nodes=1, gpus_per_node=1):
+        handle = run_grpo_two_worker(cfg)
+        first = ray.get(handle.step(1), timeout=900)
+        startup_and_first = time.perf_counter() - t0
+        results = [first] + [ray.get(handle.step(n), timeout=900) for n in range(2, steps + 1)]
+        report = handle.result(timeout=900)
+    later = results[1:] or results
+    stages = {k: statistics.median(r.timings[k] for r in later) for k in later[0].timings}
+    return {"steps": steps, "verification_passed": report.passed,
+            "verification_errors": report.errors[:5], "median_stage_s": stages,
+            "startup_plus_first_step_s": startup_and_first,
+            "first_step_s": first.timings["time/step"],
+            "startup_s": startup_and_first - first.timings["time/step"],
+            "metrics_last": results[-1].metrics}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="bench_results.json")
+    parser.add_argument("--root", default="/tmp/rlinf-bench")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sections", default="rollout,inference,actor,grpo_step")
+    args = parser.parse_args()
+    import transformers
+
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                     "transformers": transformers.__version__,
+                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    results["bf16_matmul_tflops"] = matmul_tflops()
+    model_dir = make_model_dir(root)
+    sections = {
+        "rollout": lambda: bench_rollout(model_dir, args.quick),
+        "inference": lambda: bench_inference(model_dir),
+        "actor": lambda: bench_actor(model_dir, results["bf16_matmul_tflops"], args.quick),
+        "grpo_step": lambda: bench_grpo_step(model_dir, root, 3),
+    }
+    for name in args.sections.split(","):
+        start = time.perf_counter()
+        try:
+            results[name] = sections[name]()
+        except Exception as exc:
+            results[name] = {"error": f"{type(exc).__name__}: {exc}",
+                             "traceback": traceback.format_exc()[-3000:]}
+        results[name]["section_s"] = time.perf_counter() - start
+        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+        print(f"[{name}] {json.dumps(results[name], default=str)[:1500]}", flush=True)
+    print(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Where the actor's time goes: one FSDP2 rank, fwd+bwd of the engine's micro-batches.
+
+python benchmarks/probe_actor.py MODEL_DIR
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main(model_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from rlinf_twoworker.algorithm import ppo_clip_loss
+    from rlinf_twoworker.models import SequenceBatch, load_causal_lm, response_logprobs
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29571")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    model = load_causal_lm(model_dir, torch.float32, torch.device("cuda"))
+    model.config.use_cache = False
+    mesh = init_device_mesh("cuda", (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+    def run(rows: int, with_mask: bool, engine_loss: bool) -> float:
+        ids = torch.randint(100, 150000, (rows, 1024), device="cuda")
+        mask = torch.ones_like(ids)
+        mask[:, :200] = 0  # left padding, as the rollout writes it
+        batch = SequenceBatch(
+            ids,
+            mask if with_mask else torch.ones_like(ids),
+            torch.ones(rows, 768, dtype=torch.long, device="cuda"),
+            256,
+        )
+
+        def step() -> None:
+            if engine_loss:
+                lp = response_logprobs(model, batch)
+                loss, _ = ppo_clip_loss(
+                    lp, lp.detach(), torch.ones(rows, device="cuda"), batch.response_mask, 0.2
+                )
+            else:
+                loss = model(input_ids=ids).logits.float().mean()
+            loss.backward()
+
+        step()
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    for rows, with_mask, engine_loss in [
+        (1, False, False),
+        (1, True, False),
+        (1, False, True),
+        (1, True, True),
+        (4, True, True),
+    ]:
+        t = run(rows, with_mask, engine_loss)
+        print(
+            f"rows={rows} mask={with_mask} engine_loss={engine_loss}: {t * 1000:.1f} ms "
+            f"({rows * 1024 / t:.0f} tokens/s)",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
