@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import statistics
@@ -92,7 +93,14 @@ def bench_rollout(model_dir: Path, quick: bool) -> dict:
         gen(max_new_tokens=8, min_new_tokens=8)
         t_hf = statistics.median(timed(functools.partial(
             gen, max_new_tokens=new, min_new_tokens=new), 1))
+        eager = StaticSampler(model, batch, prompt + new)
+        eager._set_kernels(False)  # the same sampler without the fused elementwise kernels
+        run_eager = functools.partial(eager.generate, ids, mask, new, eos, 0, settings)
+        run_eager()
+        t_eager = statistics.median(timed(run_eager, 2))
+        del eager
         out[f"batch_{batch}"] = {
+            "static_unfused_tokens_per_s": batch * new / t_eager,
             "static_tokens_per_s": batch * new / t_static,
             "generate_tokens_per_s": batch * new / t_hf,
             "speedup": t_hf / t_static, "static_s": t_static, "generate_s": t_hf}
@@ -195,9 +203,10 @@ def bench_grpo_step(model_dir: Path, root: Path, steps: int) -> dict:
         "cluster.component_placement={rollout:0,inference:0,actor:0,reward:0}",
         f"actor.model.model_path={model}", f"rollout.model.model_path={model}",
         f"inference.model.model_path={model}", f"data.train_data_paths=[{data}]",
-        f"runner.output_dir={root / 'runs'}", "runner.experiment_name=bench",
+        f"runner.output_dir={root / 'runs'}", f"runner.experiment_name=bench-{int(time.time())}",
         f"runner.max_steps={steps}", f"runner.save_interval={steps}",
         "rollout.validate_weight=false", "algorithm.logprob_forward_micro_batch_size=16",
+        "runner.enable_dynamic_batch_size=true", "runner.max_tokens_per_mbs=4096",
     ]
     cfg = load_config(overrides=overrides)
     t0 = time.perf_counter()
@@ -247,6 +256,8 @@ def main() -> None:
             results[name] = {"error": f"{type(exc).__name__}: {exc}",
                              "traceback": traceback.format_exc()[-3000:]}
         results[name]["section_s"] = time.perf_counter() - start
+        gc.collect()  # FSDP modules hold reference cycles: free each section's GPU memory
+        torch.cuda.empty_cache()
         Path(args.out).write_text(json.dumps(results, indent=2, default=str))
         print(f"[{name}] {json.dumps(results[name], default=str)[:1500]}", flush=True)
     print(json.dumps(results, indent=2, default=str))

@@ -10,6 +10,8 @@ as `generate` (tested), sampling draws from the same filtered distribution.
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,22 @@ class SamplingSettings:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The arithmetic of the Qwen2/Llama RMSNorm modules, as one function (fusable)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 def pick_tokens(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
@@ -76,45 +94,84 @@ class StaticSampler:
         self.col = torch.zeros(1, dtype=torch.long, device=p.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_settings: SamplingSettings | None = None
+        self.silu_mlp = getattr(cfg, "hidden_act", "silu") == "silu"
+        # A decode step is a thousand tiny kernels; on GPUs the elementwise pieces (norms,
+        # rotary, SwiGLU) are compiled into fused kernels, which the CUDA graph then replays.
+        self.compiled = p.device.type == "cuda" and os.environ.get("RLINF_SAMPLER_COMPILE") != "0"
+        self._set_kernels(self.compiled)
+
+    def _set_kernels(self, compiled: bool) -> None:
+        self.compiled = compiled
+        wrap = (lambda f: torch.compile(f, dynamic=False)) if compiled else (lambda f: f)
+        self.norm, self.rope, self.swiglu = wrap(rms_norm), wrap(rope), wrap(swiglu)
 
     def _attend(
         self,
         layer: torch.nn.Module,
         index: int,
         x: torch.Tensor,
-        pos: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
         cols: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
         """One attention block for tokens at cache columns `cols` ([T]); mask [B,1,T,S]."""
         attn = layer.self_attn
         b, t, _ = x.shape
-        h = layer.input_layernorm(x)
+        norm = layer.input_layernorm
+        h = self.norm(x, norm.weight, norm.variance_epsilon)
         q = attn.q_proj(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = attn.k_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = self.model.model.rotary_emb(v, pos)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = self.rope(q, k, *rotary)
         self.k[index].index_copy_(2, cols, k)
         self.v[index].index_copy_(2, cols, v)
         out = F.scaled_dot_product_attention(
             q, self.k[index], self.v[index], attn_mask=mask, enable_gqa=self.kv_heads != self.heads
         )
         x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        norm = layer.post_attention_layernorm
+        h = self.norm(x, norm.weight, norm.variance_epsilon)
+        mlp = layer.mlp
+        if not self.silu_mlp:
+            return x + mlp(h)
+        return x + mlp.down_proj(self.swiglu(mlp.gate_proj(h), mlp.up_proj(h)))
 
     def _forward(
         self, ids: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         x = self.model.model.embed_tokens(ids)
+        cos, sin = self.model.model.rotary_emb(x, pos)  # once per step, shared by all layers
+        rotary = (cos.unsqueeze(1), sin.unsqueeze(1))
         for index, layer in enumerate(self.layers):
-            x = self._attend(layer, index, x, pos, cols, mask)
+            x = self._attend(layer, index, x, rotary, cols, mask)
         return self.model.lm_head(self.model.model.norm(x[:, -1]))
 
-    @torch.no_grad()
     def generate(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        max_new: int,
+        eos_ids: list[int],
+        pad_id: int,
+        s: SamplingSettings,
+    ) -> torch.Tensor:
+        """Left-padded prompts [B, P] -> answers [B, <= max_new], padded with pad_id after EOS."""
+        try:
+            return self._generate(ids, mask, max_new, eos_ids, pad_id, s)
+        except Exception as exc:  # a compiler problem must not stop training: go eager
+            if not self.compiled or isinstance(exc, ValueError):
+                raise
+            warnings.warn(
+                f"compiled sampler kernels failed ({type(exc).__name__}: {exc}); "
+                "running them eagerly",
+                stacklevel=2,
+            )
+            self._set_kernels(False)
+            self.graph = None
+            return self._generate(ids, mask, max_new, eos_ids, pad_id, s)
+
+    @torch.no_grad()
+    def _generate(
         self,
         ids: torch.Tensor,
         mask: torch.Tensor,
