@@ -1,0 +1,75 @@
+"""The docs cannot fall behind the code: every config key and every CLI subcommand is documented."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from rlinf_twoworker.cli import build_parser
+from rlinf_twoworker.config import IGNORED_RLINF_KEYS, GRPOConfig
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def schema_keys(node: object, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, sections included, walking the default instance (its
+    defaults are what a section really holds, e.g. the actor's fp32 model config)."""
+    keys = []
+    for field in dataclasses.fields(node):  # type: ignore[arg-type]
+        key = f"{prefix}{field.name}"
+        keys.append(key)
+        value = getattr(node, field.name)
+        if dataclasses.is_dataclass(value):
+            keys += schema_keys(value, f"{key}.")
+    return keys
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert actions, "rlinf-twoworker has no subcommands"
+    return dict(actions[0].choices)
+
+
+def all_docs() -> str:
+    return "\n".join(p.read_text(encoding="utf-8") for p in sorted(DOCS.glob("*.md")))
+
+
+def test_schema_walk_finds_nested_keys():
+    keys = schema_keys(GRPOConfig())
+    assert "runner.max_steps" in keys and "cluster.preflight.check_collective" in keys
+    assert "actor.model.precision" in keys and len(keys) > 90
+
+
+def test_every_config_key_is_in_the_config_reference():
+    text = (DOCS / "config.md").read_text(encoding="utf-8")
+    missing = [k for k in schema_keys(GRPOConfig()) if f"`{k}`" not in text]
+    assert missing == [], f"docs/config.md does not document: {missing}"
+
+
+def test_every_ignored_rlinf_key_is_in_the_config_reference():
+    text = (DOCS / "config.md").read_text(encoding="utf-8")
+    missing = [k for k in IGNORED_RLINF_KEYS if f"`{k.rpartition('.')[2]}`" not in text]
+    assert missing == [], f"docs/config.md does not list the dropped RLinf keys: {missing}"
+
+
+def test_every_subcommand_is_in_the_docs():
+    text = all_docs()
+    missing = [name for name in subcommands() if f"rlinf-twoworker {name}" not in text]
+    assert missing == [], f"docs/ never mention: {['rlinf-twoworker ' + m for m in missing]}"
+
+
+def test_every_subcommand_option_is_in_the_docs():
+    text = all_docs()
+    missing = [
+        f"rlinf-twoworker {name} {option}"
+        for name, sub in subcommands().items()
+        for action in sub._actions
+        for option in action.option_strings
+        if option.startswith("--")
+        and option != "--help"
+        and f"`{option}`" not in text
+        and f"{option} " not in text
+    ]
+    assert missing == [], f"docs/ never mention these options: {missing}"
