@@ -8,6 +8,7 @@ whose `__post_init__` methods are the validation rules.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rlinf_twoworker.errors import ConfigError
 
+logger = logging.getLogger(__name__)
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 COMPONENTS = ("rollout", "reward", "inference", "actor")
 # RLinf keys that exist in its YAML files but have no meaning here (other engines, Megatron
@@ -30,6 +32,9 @@ IGNORED_RLINF_KEYS = (
     "hydra",
     "critic",
     "runner.task_type",
+    "actor.tokenizer.use_fast",
+    "actor.tokenizer.trust_remote_code",
+    "actor.tokenizer.padding_side",
     "runner.logger",
     "runner.max_epochs",
     "runner.val_check_interval",
@@ -466,9 +471,6 @@ class LrSchedConfig:
 class TokenizerConfig:
     tokenizer_model: str | None = None
     """Tokenizer directory; None uses actor.model.model_path."""
-    use_fast: bool = True
-    trust_remote_code: bool = False
-    padding_side: str = "right"
 
 
 @dataclass(kw_only=True)
@@ -580,6 +582,11 @@ class GRPOConfig:
     def max_new_tokens(self) -> int:
         configured = self.algorithm.sampling_params.max_new_tokens
         return configured or self.runner.seq_length - self.data.max_prompt_length
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The one tokenizer every component uses."""
+        return self.actor.tokenizer.tokenizer_model or self.actor.model.model_path
 
     @property
     def run_dir(self) -> Path:
@@ -714,7 +721,10 @@ def _merge_file(cfg: DictConfig, path: Path) -> DictConfig:
         raise ConfigError("--config", str(path), f"the file is not valid YAML ({exc})") from exc
     if not isinstance(raw, DictConfig):
         raise ConfigError("--config", str(path), "the file must hold a mapping (RLinf's layout)")
-    _drop_ignored(raw)
+    dropped = _drop_ignored(raw)
+    if dropped:
+        logger.info("%s: RLinf keys with no meaning here were dropped: %s", path,
+                    ", ".join(dropped))
     # Section by section, so that an error OmegaConf reports without a key names its section.
     for section in list(raw.keys()):
         try:

@@ -1,7 +1,8 @@
 """Rollout: sample `group_size` answers per prompt with the current policy.
 
-The sampler is `transformers`' batched, KV-cached `generate` with the configured sampling
-settings; prompts are left-padded so every answer starts at the same column.
+Two engines (`rollout.engine`): the library's static-cache sampler (sampler.py: preallocated KV
+cache, CUDA-graph decode; the default for Qwen2/Llama/Mistral models) and transformers'
+batched, KV-cached `generate`. Prompts are left-padded so every answer starts at one column.
 """
 
 from __future__ import annotations
@@ -42,9 +43,7 @@ class RolloutWorker(PolicyCopy):
 
     def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
         super().__init__(cfg, "rollout", rank)
-        self.tokenizer = load_tokenizer(
-            cfg.actor.tokenizer.tokenizer_model or cfg.rollout.model.model_path
-        )
+        self.tokenizer = load_tokenizer(cfg.tokenizer_path)
         self.dtype = dtype_for(cfg.rollout.model.precision, self.device)
         self.model = load_causal_lm(cfg.rollout.model.model_path, self.dtype, self.device).eval()
         eos = self.tokenizer.eos_token_id
