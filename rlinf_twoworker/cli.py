@@ -1,121 +1,384 @@
-"""The `rlinf-twoworker` command: demo, run (the Driver command), verify.
+"""The `rlinf-twoworker` command: run (the Driver command), demo, preflight, verify, readback,
+export-hf, report.
 
-Each subcommand prints the tutorial's status lines, appends them to the run's driver.log, and
-ends with `STARTUP_EXIT_CODE=<code>`; the process exits with that code.
+Exit codes: 0 success; 1 the run or a check failed; 2 the request is invalid (nothing was created
+or changed); 3 no Ray cluster is reachable, or it is not the cluster the config asks for; 130
+interrupted (the run is cancelled). `run`, `demo` and `preflight` end with STARTUP_EXIT_CODE=<code>.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from rlinf_twoworker.errors import TwoWorkerError
+from rlinf_twoworker.config import to_typed
+from rlinf_twoworker.errors import (
+    ClusterError,
+    ConfigError,
+    PlacementError,
+    RunDirError,
+    TwoWorkerError,
+)
+from rlinf_twoworker.report import DriverConsole as Console
 
 TUTORIAL_SUBDIR = Path("runs") / "two-worker-grpo-pipeline"
+OK, FAILED, INVALID, NO_CLUSTER, INTERRUPTED = 0, 1, 2, 3, 130
 
 
-def _emit_final(run_dir: Path | None, code: int) -> int:
-    line = f"STARTUP_EXIT_CODE={code}"
-    print(line, flush=True)
-    if run_dir is not None and (run_dir / "driver.log").exists():
-        with open(run_dir / "driver.log", "a", encoding="utf-8") as handle:
-            handle.write(line + "\n")
-    return code
+class RequestError(TwoWorkerError):
+    """The Driver's request (environment, arguments, config) is invalid."""
 
 
-def drive(cfg, overrides: Sequence[str] = (), ray_address: str | None = None) -> int:
-    """Start the run, stream its log, wait for the postflight; returns the exit code."""
+def _code_of(exc: BaseException, started: bool) -> int:
+    if isinstance(exc, (ClusterError, PlacementError)):
+        return NO_CLUSTER
+    if isinstance(exc, (RequestError, ConfigError, RunDirError)) or not started:
+        return INVALID
+    return FAILED
+
+
+def _env_overrides(
+    env: Mapping[str, str], overrides: Sequence[str], need_run_id: bool
+) -> list[str]:
+    """RUN_ID, WORK_ROOT, TARGET_STEPS as config overrides (command-line overrides come after)."""
+    from rlinf_twoworker.config import RUN_ID_PATTERN
+
+    out = []
+    run_id = env.get("RUN_ID")
+    named = any(o.startswith("runner.experiment_name=") for o in overrides)
+    if run_id is None and need_run_id and not named:
+        raise RequestError("RUN_ID is not set: export RUN_ID=<a new run name>")
+    if run_id is not None:
+        if not RUN_ID_PATTERN.match(run_id):
+            raise RequestError(
+                f"RUN_ID={run_id!r} is invalid: it must match {RUN_ID_PATTERN.pattern} "
+                "(letters, digits, '.', '_', '-'; not empty, no '/')"
+            )
+        out.append(f"runner.experiment_name={json.dumps(run_id)}")
+    work_root = env.get("WORK_ROOT")
+    if work_root is not None:
+        root = Path(work_root)
+        if not work_root or not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
+            raise RequestError(
+                f"WORK_ROOT={work_root!r} is not a writable directory: mount the shared "
+                "storage there (every node must see it at the same path)"
+            )
+        out.append(f"runner.output_dir={json.dumps(str(root.resolve() / TUTORIAL_SUBDIR))}")
+    steps = env.get("TARGET_STEPS")
+    if steps is not None:
+        if not steps.strip().isdigit() or int(steps) < 2:
+            raise RequestError(
+                f"TARGET_STEPS={steps!r} is invalid: it must be an integer >= 2 (the tutorial's "
+                "postflight needs the metrics of at least two steps)"
+            )
+        out.append(f"runner.max_steps={int(steps)}")
+    return out
+
+
+def resolve_request(
+    config: str | None, overrides: Sequence[str], env: Mapping[str, str], for_run: bool = True
+) -> tuple[Any, list[str]]:
+    """Everything checked before Ray is touched: returns (config, the overrides applied)."""
+    from rlinf_twoworker.config import load_config
+    from rlinf_twoworker.rundir import run_dir_of
+
+    applied = [*_env_overrides(env, overrides, for_run), *overrides]
+    cfg = load_config(config, applied)
+    typed = to_typed(cfg)
+    _check_inputs(typed)
+    if not for_run:
+        return cfg, applied
+    run_dir = run_dir_of(Path(typed.runner.output_dir).resolve(), typed.runner.experiment_name)
+    if run_dir.exists():
+        raise RunDirError(
+            f"run directory {run_dir} already exists: runs are never reused or overwritten; "
+            "choose a new RUN_ID"
+        )
+    existing = next(p for p in [run_dir, *run_dir.parents] if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RequestError(
+            f"{existing} is not writable: the run directory {run_dir} cannot be made"
+        )
+    if typed.runner.resume_dir:
+        from rlinf_twoworker.checkpoint import resume_source, step_of
+
+        source = resume_source(typed, run_dir)
+        if source is not None and step_of(source) >= typed.runner.max_steps:
+            raise RequestError(
+                f"the resume checkpoint {source} is at step {step_of(source)}, but the run "
+                f"stops at runner.max_steps={typed.runner.max_steps}: ask for more steps"
+            )
+    return cfg, applied
+
+
+def _check_inputs(typed: Any) -> None:
+    """Cheap checks of the inputs on this node (the preflight checks digests on every node)."""
+    models = {typed.actor.model.model_path, typed.rollout.model.model_path}
+    models |= {typed.inference.model.model_path}
+    for model in sorted(models):
+        if not (Path(model) / "config.json").is_file():
+            raise RequestError(
+                f"model directory {model} has no config.json: check actor/rollout/inference "
+                ".model.model_path and that the storage is mounted"
+            )
+    for data in typed.data.train_data_paths:
+        path = Path(data)
+        if not path.is_file() or path.stat().st_size == 0 or not os.access(path, os.R_OK):
+            raise RequestError(
+                f"data file {data} is missing, empty or unreadable: check data.train_data_paths"
+            )
+
+
+def connect(address: str | None, typed: Any) -> None:
+    """Connect to the running cluster (never start one) and check it has the config's nodes;
+    fail in seconds if none answers."""
+    import socket
+
+    import ray
+
+    from rlinf_twoworker.components import NAMESPACE
+    from rlinf_twoworker.handle import check_cluster
+
+    if ray.is_initialized():
+        return check_cluster(typed)
+    if not (address or "").startswith("ray://"):
+        try:  # where ray.init would dial: Ray itself retries an absent cluster for minutes
+            from ray._private.services import canonicalize_bootstrap_address
+
+            target = canonicalize_bootstrap_address(address or "auto")
+        except ConnectionError as exc:
+            raise ClusterError(
+                f"no Ray cluster found ({exc}); run the Driver on the Ray Head of a running "
+                "cluster or set RAY_ADDRESS (this command never starts Ray)"
+            ) from exc
+        host, _, port = (target or "").rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=10).close()
+        except (OSError, ValueError) as exc:
+            raise ClusterError(
+                f"no Ray cluster reachable at {target} ({exc}); check that the Ray Head is up "
+                "and RAY_ADDRESS (this command never starts Ray)"
+            ) from exc
+    try:
+        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False)
+    except (ConnectionError, RuntimeError) as exc:
+        raise ClusterError(
+            f"cannot connect to the Ray cluster at {address or 'auto'}: {exc}"
+        ) from exc
+    check_cluster(typed)
+
+
+def drive(
+    cfg: Any, overrides: Sequence[str], console: Console, timeout_s: float | None = None
+) -> int:
+    """Start the run on the connected cluster, show its log (and progress on a terminal), wait
+    for its postflight; returns the exit code."""
     from rlinf_twoworker.handle import run_grpo_two_worker
 
-    run_dir = None
+    handle = None
     try:
-        handle = run_grpo_two_worker(cfg, ray_address=ray_address, overrides=overrides)
-        run_dir = handle.output_dir
-        print(f"RUN_DIR={run_dir}", flush=True)
-        handle.follow(lambda line: print(line, flush=True))
-        report = handle.result()
-        code = 0 if report.passed else 1
-    except TwoWorkerError as exc:
-        print(f"RLINF_ERROR={type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        code = 2 if run_dir is None else 1
+        handle = run_grpo_two_worker(cfg, overrides=overrides)
+        console.attach(handle.output_dir)
+        console.line(f"RUN_DIR={handle.output_dir}")
+        report = console.watch(handle, timeout_s or _run_timeout(handle))
+        code = OK if report.passed else FAILED
     except KeyboardInterrupt:
-        print("RLINF_ERROR=interrupted: cancelling the run", file=sys.stderr, flush=True)
-        try:
-            handle.cancel()
-        except Exception:
-            pass
-        code = 130
-    return _emit_final(run_dir, code)
+        console.error("interrupted: cancelling the run")
+        if handle is not None:
+            _cancel(handle, console)
+        code = INTERRUPTED
+    except Exception as exc:  # every failure ends with a reason and an exit code
+        console.error(f"{type(exc).__name__}: {exc}")
+        code = _code_of(exc, handle is not None)
+    if handle is not None and code != OK:
+        console.training_exit_code(code)
+    return console.final(code)
+
+
+def _cancel(handle: Any, console: Console) -> None:
+    try:
+        handle.cancel(timeout=60)
+    except Exception as exc:  # the run may already be gone; say so and go on exiting
+        console.error(f"cancel did not complete: {exc}")
+
+
+def _run_timeout(handle: Any) -> float:
+    """An upper bound on the whole run from its own stage timeouts."""
+    from rlinf_twoworker.checkpoint import scheduled_steps
+
+    typed = to_typed(handle.config)
+    t = typed.runner.timeouts
+    steps = typed.runner.max_steps * t.step_s + len(scheduled_steps(typed)) * t.checkpoint_s
+    return t.placement_s + t.preflight_s + t.actor_start_s + 2 * t.collective_s + steps + 600
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    console = Console()
+    try:
+        cfg, overrides = resolve_request(args.config, args.overrides, os.environ)
+        signal.signal(signal.SIGTERM, _interrupt)  # the platform stopping the Driver cancels
+        connect(args.address, to_typed(cfg))
+    except Exception as exc:
+        console.error(f"{type(exc).__name__}: {exc}")
+        return console.final(_code_of(exc, False))
+    return drive(cfg, overrides, console, args.timeout)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from rlinf_twoworker.demo import demo_config, make_inputs
     from rlinf_twoworker.local import LocalCluster
 
+    console = Console()
     output_root = Path(args.output_root).resolve()
     run_id = args.run_id or time.strftime("demo-%Y%m%d-%H%M%S")
     overrides = [f"runner.max_steps={args.steps}", *args.overrides]
     try:
         inputs = make_inputs(output_root / f".inputs-{run_id}")
         cfg = demo_config(inputs, output_root, run_id, overrides)
-    except TwoWorkerError as exc:
-        print(f"RLINF_ERROR={type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return _emit_final(None, 2)
+    except (TwoWorkerError, ValueError) as exc:
+        console.error(f"{type(exc).__name__}: {exc}")
+        return console.final(INVALID)
     with LocalCluster(num_nodes=cfg.cluster.num_nodes, gpus_per_node=cfg.cluster.num_gpus_per_node):
-        return drive(cfg, overrides)
+        return drive(cfg, overrides, console)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from rlinf_twoworker.config import load_config
+def cmd_preflight(args: argparse.Namespace) -> int:
+    """Placement and the per-node preflight only, on the connected cluster; no run directory."""
+    from rlinf_twoworker.errors import PreflightError
 
-    overrides = list(args.overrides)
-    env = os.environ
-    if "RUN_ID" in env:
-        overrides.append(f"runner.experiment_name={env['RUN_ID']}")
-    if env.get("WORK_ROOT"):
-        overrides.append(f"runner.output_dir={Path(env['WORK_ROOT']) / TUTORIAL_SUBDIR}")
-    if env.get("TARGET_STEPS"):
-        overrides.append(f"runner.max_steps={env['TARGET_STEPS']}")
+    console = Console()
+    pg = None
     try:
-        if "RUN_ID" in env and not env["RUN_ID"]:
-            raise TwoWorkerError("RUN_ID is set but empty: give the run a name")
-        cfg = load_config(args.config, overrides)
-    except TwoWorkerError as exc:
-        print(f"RLINF_ERROR={type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return _emit_final(None, 2)
-    return drive(cfg, overrides, ray_address=args.address)
+        cfg, _ = resolve_request(args.config, args.overrides, os.environ, for_run=False)
+        typed = to_typed(cfg)
+        connect(args.address, typed)
+        from rlinf_twoworker.placement import create_placement_group
+        from rlinf_twoworker.preflight import run_preflight
+
+        name = f"preflight-{os.getpid()}:pg"
+        pg = create_placement_group(typed.cluster, name, typed.runner.timeouts.placement_s)
+        run_preflight(typed, pg, output_dir=None, log=console.line)
+        code = OK
+    except PreflightError:
+        code = FAILED  # run_preflight printed RLINF_PREFLIGHT_STATUS=failed with the reason
+    except Exception as exc:
+        console.error(f"{type(exc).__name__}: {exc}")
+        code = _code_of(exc, pg is not None)
+    finally:
+        if pg is not None:
+            from rlinf_twoworker.placement import wait_removed
+
+            wait_removed(pg)
+    return console.final(code)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from rlinf_twoworker.verify import verify_run
 
     report = verify_run(args.output_dir, args.target_steps, args.expected_nodes)
-    return 0 if report.passed else 1
+    return OK if report.passed else FAILED
+
+
+def cmd_readback(args: argparse.Namespace) -> int:
+    from rlinf_twoworker.readback import readback
+
+    try:
+        print("\n".join(readback(args.run_dir, args.step).lines()))
+    except TwoWorkerError as exc:
+        return _failed("READBACK", exc)
+    print("READBACK_STATUS=passed", flush=True)
+    return OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from rlinf_twoworker.export import export_hf
+
+    try:
+        print("\n".join(export_hf(args.run_dir, args.out, args.step, args.dtype).lines()))
+    except TwoWorkerError as exc:
+        return _failed("EXPORT", exc)
+    print("EXPORT_STATUS=passed", flush=True)
+    return OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rlinf_twoworker.report import load_scalars, plot, table
+
+    run_dir = Path(args.run_dir).resolve()
+    try:
+        scalars = load_scalars(run_dir)
+        print(table(scalars))
+        if not args.no_plot:
+            out = plot(scalars, args.out or run_dir / "report.png", title=run_dir.name)
+            print(f"REPORT_PLOT={out}", flush=True)
+    except TwoWorkerError as exc:
+        return _failed("REPORT", exc)
+    return OK
+
+
+def _failed(command: str, exc: BaseException) -> int:
+    print(f"{command}_STATUS=failed error={' '.join(str(exc).split())}", flush=True)
+    return FAILED
+
+
+def _cluster_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="a YAML config in RLinf's layout")
+    parser.add_argument("--address", default=None, help="Ray address (default: auto)")
+    parser.add_argument("overrides", nargs="*", help="config overrides, Hydra syntax (a.b=c)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlinf-twoworker", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser(
+        "run",
+        help="the Driver command: a run on the existing Ray cluster (env RUN_ID, WORK_ROOT, TARGET_STEPS)",
+    )
+    _cluster_args(run)
+    run.add_argument(
+        "--timeout", type=float, default=None, help="seconds (default: from the config's timeouts)"
+    )
+    run.set_defaults(func=cmd_run)
     demo = sub.add_parser("demo", help="the whole scenario on a local 2x2 cluster, no downloads")
     demo.add_argument("--output-root", default="demo-runs", help="parent of the run directory")
     demo.add_argument("--run-id", default=None, help="run name (default: demo-<time>)")
     demo.add_argument("--steps", type=int, default=2, help="GRPO steps (default 2)")
     demo.add_argument("overrides", nargs="*", help="config overrides, Hydra syntax (a.b=c)")
     demo.set_defaults(func=cmd_demo)
-    run = sub.add_parser("run", help="the Driver command: run on the existing Ray cluster")
-    run.add_argument("--config", default=None, help="a YAML config in RLinf's layout")
-    run.add_argument("--address", default=None, help="Ray address (default: auto)")
-    run.add_argument("overrides", nargs="*", help="config overrides, Hydra syntax (a.b=c)")
-    run.set_defaults(func=cmd_run)
+    preflight = sub.add_parser("preflight", help="placement and per-node preflight only")
+    _cluster_args(preflight)
+    preflight.set_defaults(func=cmd_preflight)
     verify = sub.add_parser("verify", help="the postflight of a finished run directory")
     verify.add_argument("--output-dir", required=True, help="the run directory")
     verify.add_argument("--target-steps", type=int, required=True)
     verify.add_argument("--expected-nodes", type=int, required=True)
     verify.set_defaults(func=cmd_verify)
+    readback = sub.add_parser("readback", help="load a finished run's checkpoint (no Ray, no GPU)")
+    readback.add_argument("run_dir")
+    readback.add_argument("--step", type=int, default=None, help="default: the verified one")
+    readback.set_defaults(func=cmd_readback)
+    export = sub.add_parser("export-hf", help="a checkpoint as a Hugging Face model directory")
+    export.add_argument("run_dir")
+    export.add_argument("--step", type=int, default=None, help="default: the newest complete")
+    export.add_argument("--out", required=True, help="the new model directory")
+    export.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    export.set_defaults(func=cmd_export)
+    report = sub.add_parser("report", help="a run's metrics: a table and a PNG plot")
+    report.add_argument("run_dir")
+    report.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/report.png)")
+    report.add_argument("--no-plot", action="store_true", help="print the table only")
+    report.set_defaults(func=cmd_report)
     return parser
 
 

@@ -160,7 +160,8 @@ class RunController:
             await asyncio.wait_for(self.pg.ready(), timeouts.placement_s)
         except asyncio.TimeoutError:
             raise placement_timeout_error(cfg.cluster, name, timeouts.placement_s) from None
-        self.bundle_nodes = await asyncio.to_thread(bundle_node_ids, self.pg)
+        places = await asyncio.to_thread(_bundle_places, self.pg)
+        self.bundle_nodes = [p["node_id"] for p in places]
         self.placement_f.set(self.pg)
         report = await asyncio.to_thread(run_preflight, cfg, self.pg, self.run_dir, self.log.status)
         self.preflight_f.set(report)
@@ -172,7 +173,9 @@ class RunController:
             data.answer_key,
             data.skip_malformed_lines,
         )
-        self.group = ComponentGroup(cfg, self.run_id, placement, self.pg, self.classes)
+        self.group = ComponentGroup(
+            cfg, self.run_id, placement, self.pg, self.classes, bundle_nodes=places
+        )
         self.group.start()
         await self.group.wait_started()
         await self._join_process_groups()
@@ -211,9 +214,7 @@ class RunController:
     async def _train(self) -> None:
         cfg = self.cfg
         data, samples = cfg.data, self.samples
-        tokenizer = load_tokenizer(
-            cfg.actor.tokenizer.tokenizer_model or cfg.actor.model.model_path
-        )
+        tokenizer = load_tokenizer(cfg.tokenizer_path)
         sampler = PromptSampler(len(samples), data.rollout_batch_size, data.shuffle, data.seed)
         if self.resume_step:
             sampler.load_state_dict(ckpt.load_data_state(self.resume_from)["sampler"])
@@ -360,6 +361,14 @@ def _alive_node_ids() -> set[str]:
     import ray
 
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def _bundle_places(pg: Any) -> list[dict[str, str]]:
+    """Node id and IP of each bundle of the placement group, by bundle index."""
+    import ray
+
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    return [{"node_id": n, "ip": ips.get(n, "?")} for n in bundle_node_ids(pg)]
 
 
 def _step_line(step: int, max_steps: int, result: StepResult) -> str:

@@ -1,0 +1,272 @@
+"""`rlinf-twoworker run`, `preflight` and `report` as the platform runs them: subprocesses on a
+real 2-node Ray cluster, connecting through RAY_ADDRESS like a Driver on the Ray Head."""
+
+from __future__ import annotations
+
+import os
+import pty
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from rlinf_twoworker.config import to_yaml
+from rlinf_twoworker.demo import demo_config, make_inputs
+from rlinf_twoworker.report import progress_line
+from rlinf_twoworker.verify import verify_run
+
+CLI = [sys.executable, "-m", "rlinf_twoworker.cli"]
+RUNS = Path("runs") / "two-worker-grpo-pipeline"
+STATUS_PREFIXES = (
+    "RAY_CLUSTER_RESOURCES=",
+    "WORKER_TOPOLOGY=rank=0 role=Ray Head",
+    "WORKER_TOPOLOGY=rank=1 role=Ray Worker",
+    "NVIDIA_DRIVER_VERSION_NODE_0=",
+    "NVIDIA_DRIVER_VERSION_NODE_1=",
+    "RLINF_PREFLIGHT_STATUS=passed",
+    "RLINF_PYTHON_EXIT_CODE=0",
+    "RLINF_VERIFICATION_STATUS=passed",
+)
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory) -> Path:
+    """The demo's config as a YAML file, as a platform user would keep it."""
+    root = tmp_path_factory.mktemp("cli-config")
+    cfg = demo_config(make_inputs(root / "inputs", task="digit7"), root / "unused", "template")
+    path = root / "demo.yaml"
+    path.write_text(to_yaml(cfg))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def driver_env(address: str, work_root: Path, **values: str) -> dict[str, str]:
+    env = dict(os.environ, RAY_ADDRESS=address, WORK_ROOT=str(work_root), TARGET_STEPS="2")
+    env["RUN_ID"] = "cli-run"
+    env.update(values)
+    return env
+
+
+def run_in_terminal(argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """Run with stdout and stderr on a pseudo-terminal, as in an interactive shell."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic())), b"".join(chunks).decode(
+            errors="replace"
+        )
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def cli_run(cluster_2x2, config_file, tmp_path_factory) -> tuple[int, str, Path]:
+    """One `run` in a terminal: (exit code, what the terminal showed, the run directory)."""
+    work_root = tmp_path_factory.mktemp("work-root")
+    env = driver_env(cluster_2x2.address, work_root)
+    code, shown = run_in_terminal([*CLI, "run", "--config", str(config_file)], env, 500)
+    return code, shown, work_root / RUNS / "cli-run"
+
+
+@pytest.mark.slow
+def test_run_writes_every_status_line_and_passes_postflight(cli_run):
+    code, shown, run_dir = cli_run
+    assert code == 0, shown[-3000:]
+    lines = (run_dir / "driver.log").read_text().splitlines()
+    for prefix in STATUS_PREFIXES:
+        assert any(line.startswith(prefix) for line in lines), (prefix, lines)
+    assert lines[-1] == "STARTUP_EXIT_CODE=0"
+    assert lines[0] == f"RUN_DIR={run_dir}"
+    assert lines.index("RLINF_PREFLIGHT_STATUS=passed") < lines.index("RLINF_PYTHON_EXIT_CODE=0")
+    assert verify_run(run_dir, 2, 2, write=False).passed
+    # The Driver showed every driver.log line, and a progress line under them on the terminal.
+    terminal = shown.replace("\r\n", "\n")
+    assert all(line in terminal for line in lines)
+    assert "\r\x1b[Kstep 2/2 running | reward " in shown
+    verify = subprocess.run(
+        [*CLI, "verify", "--output-dir", str(run_dir), "--target-steps", "2"]
+        + ["--expected-nodes", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert verify.returncode == 0 and "RLINF_VERIFICATION_STATUS=passed" in verify.stdout
+
+
+@pytest.mark.slow
+def test_report_prints_a_table_and_writes_a_plot(cli_run, tmp_path):
+    _, _, run_dir = cli_run
+    out = tmp_path / "report.png"
+    done = subprocess.run(
+        [*CLI, "report", str(run_dir), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = done.stdout.splitlines()
+    assert rows[0].split() == ["step", "reward", "loss", "grad_norm", "lr", "step_s"]
+    assert [r.split()[0] for r in rows[1:3]] == ["1", "2"]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_run_failing_after_preflight_exits_non_zero_and_fails_postflight(
+    cluster_2x2, config_file, tmp_path
+):
+    done = subprocess.run(
+        [*CLI, "run", "--config", str(config_file), "runner.timeouts.step_s=0.001"],
+        env=driver_env(cluster_2x2.address, tmp_path, RUN_ID="cli-fails"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 1, done.stderr
+    run_dir = tmp_path / RUNS / "cli-fails"
+    lines = (run_dir / "driver.log").read_text().splitlines()
+    assert "RLINF_PREFLIGHT_STATUS=passed" in lines
+    errors = [line for line in lines if line.startswith("RLINF_ERROR=")]
+    assert len(errors) == 1 and "did not finish within 0.001 s" in errors[0], lines
+    assert lines[-2:] == ["RLINF_PYTHON_EXIT_CODE=1", "STARTUP_EXIT_CODE=1"]
+    assert not verify_run(run_dir, 2, 2, write=False).passed
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ({"RUN_ID": "bad/id"}, "RUN_ID='bad/id' is invalid"),
+        ({"RUN_ID": ""}, "RUN_ID='' is invalid"),
+        ({"TARGET_STEPS": "0"}, "TARGET_STEPS='0' is invalid"),
+        ({"TARGET_STEPS": "two"}, "TARGET_STEPS='two' is invalid"),
+        ({"RUN_ID": "taken"}, "already exists"),
+    ],
+)
+def test_bad_request_fails_fast_without_a_cluster_and_touches_nothing(
+    config_file, tmp_path, values, expected
+):
+    (tmp_path / RUNS / "taken").mkdir(parents=True)
+    (tmp_path / RUNS / "taken" / "driver.log").write_text("an earlier run\n")
+    before = snapshot(tmp_path)
+    nowhere = f"127.0.0.1:{free_port()}"  # validation must not need the cluster
+    started = time.monotonic()
+    done = subprocess.run(
+        [*CLI, "run", "--config", str(config_file)],
+        env=driver_env(nowhere, tmp_path, **values),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert time.monotonic() - started < 20
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("RLINF_ERROR=")]
+    assert len(errors) == 1 and expected in errors[0], done.stderr
+    assert done.stdout.splitlines()[-1] == "STARTUP_EXIT_CODE=2"
+    assert snapshot(tmp_path) == before
+
+
+def test_no_reachable_cluster_fails_fast_and_creates_nothing(config_file, tmp_path):
+    started = time.monotonic()
+    done = subprocess.run(
+        [*CLI, "run", "--config", str(config_file)],
+        env=driver_env(f"127.0.0.1:{free_port()}", tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert time.monotonic() - started < 30
+    assert done.returncode == 3
+    errors = [line for line in done.stderr.splitlines() if line.startswith("RLINF_ERROR=")]
+    assert len(errors) == 1 and "no Ray cluster reachable" in errors[0], done.stderr
+    assert done.stdout.splitlines()[-1] == "STARTUP_EXIT_CODE=3"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cluster_with_fewer_nodes_than_asked_is_refused(cluster_2x2, config_file, tmp_path):
+    done = subprocess.run(
+        [*CLI, "run", "--config", str(config_file), "cluster.num_nodes=3"],
+        env=driver_env(cluster_2x2.address, tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3
+    assert "Ray finds 2 alive node(s) but cluster.num_nodes=3" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def live_placement_groups() -> list[dict]:
+    return [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+
+
+def test_preflight_command_passes_and_fails_with_the_tutorial_lines(cluster_2x2, config_file):
+    env = dict(os.environ, RAY_ADDRESS=cluster_2x2.address)
+    passed = subprocess.run(
+        [*CLI, "preflight", "--config", str(config_file)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert passed.returncode == 0, passed.stderr
+    out = passed.stdout.splitlines()
+    for prefix in STATUS_PREFIXES[:6]:
+        assert any(line.startswith(prefix) for line in out), (prefix, out)
+    assert out[-1] == "STARTUP_EXIT_CODE=0"
+    failed = subprocess.run(
+        [*CLI, "preflight", "--config", str(config_file)]
+        + ["cluster.preflight.required_modules=[torch,no_such_module_here]"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert failed.returncode == 1
+    status = [line for line in failed.stdout.splitlines() if "RLINF_PREFLIGHT_STATUS" in line]
+    assert status and "failed" in status[0] and "no_such_module_here" in status[0]
+    assert failed.stdout.splitlines()[-1] == "STARTUP_EXIT_CODE=1"
+    deadline = time.monotonic() + 30
+    while live_placement_groups() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert live_placement_groups() == []
+
+
+def test_progress_line_shows_step_reward_loss_and_time():
+    status = {
+        "state": "running",
+        "step": 3,
+        "max_steps": 10,
+        "elapsed_s": 83.2,
+        "metrics": {
+            "rollout/reward_scores": -4.375,
+            "actor/training/actor/final_loss": 0.0121,
+            "time/step": 0.45,
+        },
+    }
+    assert progress_line(status) == (
+        "step 3/10 running | reward -4.375 | loss 0.0121 | step 0.45s | 1m23s"
+    )

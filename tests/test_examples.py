@@ -1,0 +1,75 @@
+"""Every script in examples/ runs, as a user would start it, and does what its docstring says."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TIMEOUT = 600
+
+
+def run_example(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=cwd,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.slow
+def test_driver_starts_its_own_local_cluster_and_trains(tmp_path):
+    done = run_example("driver.py", "--local", "--output-root", str(tmp_path), cwd=tmp_path)
+    out = done.stdout.splitlines()
+    assert any(line.startswith("step 1/2: reward ") for line in out), out
+    assert any(line.startswith("step 2/2: reward ") for line in out), out
+    assert "postflight: passed" in out
+    runs = [p for p in tmp_path.iterdir() if p.name.startswith("driver-")]
+    assert len(runs) == 1 and (runs[0] / "verification.json").is_file()
+
+
+@pytest.mark.slow
+def test_notebook_example_awaits_each_step_and_plots(cluster_2x2, tmp_path):
+    plot = tmp_path / "rewards.png"
+    done = run_example(
+        "notebook_live_rewards.py",
+        "--demo",
+        "--address",
+        cluster_2x2.address,
+        "--output-root",
+        str(tmp_path),
+        "--plot",
+        str(plot),
+        cwd=tmp_path,
+    )
+    live = [line for line in done.stdout.splitlines() if line.startswith("LIVE_REWARD ")]
+    assert [line.split()[1] for line in live] == ["step=1", "step=2"], done.stdout
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert "postflight passed" in done.stdout
+
+
+@pytest.mark.slow
+def test_embed_example_feeds_step_futures_to_its_own_tasks(cluster_2x2, tmp_path):
+    done = run_example(
+        "embed_in_ray_program.py",
+        "--demo",
+        "--address",
+        cluster_2x2.address,
+        "--output-root",
+        str(tmp_path),
+        cwd=tmp_path,
+    )
+    out = done.stdout.splitlines()
+    summaries = [line for line in out if line.startswith("EMBED_SUMMARY ")]
+    assert len(summaries) == 2 and "'step': 1" in summaries[0] and "'step': 2" in summaries[1]
+    assert any(line.startswith("EMBED_TREND reward_change=") for line in out)
+    shard_bytes = next(line for line in out if line.startswith("EMBED_CHECKPOINT shard_bytes="))
+    assert int(shard_bytes.split("=")[1]) > 0
+    assert "postflight: passed" in out

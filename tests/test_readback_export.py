@@ -1,0 +1,141 @@
+"""`readback` and `export-hf` on a finished run, read from storage without Ray, and both failing
+clearly on a damaged checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlinf_twoworker import run_grpo_two_worker
+from rlinf_twoworker.demo import demo_config, make_inputs
+from rlinf_twoworker.readback import model_state
+
+TIMEOUT = 300
+DCP = Path("checkpoints/global_step_2/actor/dcp_checkpoint")
+# The commands must work where Ray cannot even be imported (a login node, a laptop).
+NO_RAY = "import sys; sys.modules['ray'] = None; from rlinf_twoworker.cli import main; "
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return make_inputs(tmp_path_factory.mktemp("inputs"), task="digit7")
+
+
+@pytest.fixture(scope="module")
+def run_dir(cluster_2x2, inputs, tmp_path_factory) -> Path:
+    """A finished, verified 2-step run (lr high enough that training moves the weights)."""
+    root = tmp_path_factory.mktemp("runs")
+    handle = run_grpo_two_worker(demo_config(inputs, root, "done", ["actor.optim.lr=1e-3"]))
+    report = handle.result(timeout=TIMEOUT)
+    assert report.passed, report.errors
+    return root / "done"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """The command in a fresh process that has no Ray and sees no GPU."""
+    script = NO_RAY + f"sys.exit(main({list(args)!r}))"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def lines_with(prefix: str, text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+@pytest.mark.slow
+def test_readback_lists_shards_and_counts_parameters(run_dir, inputs):
+    done = cli("readback", str(run_dir))
+    assert done.returncode == 0, done.stdout + done.stderr
+    shards = dict(line.split(" size=") for line in lines_with("READBACK_SHARD=", done.stdout))
+    on_disk = {
+        f"READBACK_SHARD=actor/dcp_checkpoint/{p.name}": str(p.stat().st_size)
+        for p in (run_dir / DCP).glob("*.distcp")
+    }
+    assert shards == on_disk and len(shards) == 2
+    initial = load_file(str(inputs.model_path / "model.safetensors"))
+    expected = sum(t.numel() for t in initial.values())
+    assert lines_with("READBACK_PARAMETERS=", done.stdout) == [f"READBACK_PARAMETERS={expected}"]
+    assert done.stdout.splitlines()[-1] == "READBACK_STATUS=passed"
+
+
+@pytest.mark.slow
+def test_export_hf_loads_in_transformers_with_the_checkpoint_weights(run_dir, inputs, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "hf"
+    done = cli("export-hf", str(run_dir), "--step", "2", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    model = AutoModelForCausalLM.from_pretrained(out)
+    trained = model_state(run_dir / DCP)
+    loaded = model.state_dict()
+    assert set(loaded) == set(trained)
+    assert all(torch.equal(loaded[k], trained[k]) for k in trained)
+    initial = load_file(str(inputs.model_path / "model.safetensors"))
+    assert any(not torch.equal(initial[k], trained[k]) for k in initial)
+    text = "What is 2+3?"
+    source_tokenizer = AutoTokenizer.from_pretrained(inputs.model_path)
+    assert (
+        AutoTokenizer.from_pretrained(out)(text)["input_ids"] == source_tokenizer(text)["input_ids"]
+    )
+    info = json.loads((out / "export_info.json").read_text())
+    assert info["step"] == 2 and info["checkpoint"].endswith("global_step_2")
+    again = cli("export-hf", str(run_dir), "--step", "2", "--out", str(out))
+    assert again.returncode == 1 and "already exists" in again.stdout
+
+
+def damaged_copy(run_dir: Path, target: Path, damage: str) -> Path:
+    copy = shutil.copytree(run_dir, target / "damaged")
+    dcp = copy / DCP
+    if damage == "deleted shard":
+        (dcp / "__1_0.distcp").unlink()
+    elif damage == "truncated metadata":
+        metadata = dcp / ".metadata"
+        os.truncate(metadata, metadata.stat().st_size // 2)
+    elif damage == "truncated shard":
+        os.truncate(dcp / "__0_0.distcp", 1000)
+    return copy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        ("deleted shard", "__1_0.distcp"),
+        ("truncated metadata", ".metadata"),
+        ("truncated shard", "__0_0.distcp"),
+    ],
+)
+def test_damaged_checkpoint_fails_readback_and_export_naming_the_file(
+    run_dir, tmp_path, damage, named
+):
+    copy = damaged_copy(run_dir, tmp_path, damage)
+    done = cli("readback", str(copy))
+    assert done.returncode == 1
+    status = lines_with("READBACK_STATUS=failed error=", done.stdout)
+    assert len(status) == 1 and named in status[0] and str(copy) in status[0], done.stdout
+    exported = cli("export-hf", str(copy), "--step", "2", "--out", str(tmp_path / "hf"))
+    assert exported.returncode == 1
+    status = lines_with("EXPORT_STATUS=failed error=", exported.stdout)
+    assert len(status) == 1 and named in status[0], exported.stdout
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_readback_refuses_a_run_without_a_passed_postflight(run_dir, tmp_path):
+    copy = shutil.copytree(run_dir, tmp_path / "unverified")
+    (copy / "verification.json").unlink()
+    done = cli("readback", str(copy))
+    assert done.returncode == 1 and "verification.json is missing" in done.stdout
