@@ -10,6 +10,7 @@ nothing wrong with its files (readback.py reads one back without Ray).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 DCP_SUBDIR = Path("actor") / "dcp_checkpoint"
 DATA_FILE = Path("data") / "data.pt"
+HF_SUBDIR = Path("actor") / "huggingface"  # with runner.save_full_weights
 METADATA = ".metadata"
 MODEL_PREFIX = "fsdp_checkpoint.model."
 """DCP key prefix of the actor's model weights (keys are flattened with dots)."""
@@ -89,6 +91,10 @@ async def save(
     _fsync_tree(staging)
     os.rename(staging, final)
     _fsync_dir(final.parent)
+    if cfg.runner.save_full_weights:  # opt-in: a full model copy costs a full gather
+        from rlinf_twoworker.export import export_hf
+
+        await asyncio.to_thread(export_hf, run_dir, final / HF_SUBDIR, step)
     prune(run_dir, cfg.runner.keep_last_checkpoints)
     return CheckpointInfo(
         step=step, directory=str(final), files=files_of(final), finished_at=time.time()

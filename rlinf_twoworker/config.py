@@ -243,7 +243,8 @@ class RunnerConfig:
     keep_last_checkpoints: int = 0
     """Keep only the newest K complete checkpoints (0 keeps all)."""
     save_full_weights: bool = False
-    """Also write a full-model Hugging Face copy at each checkpoint."""
+    """Also write a full-model Hugging Face copy of each checkpoint (actor/huggingface/), as
+    `rlinf-twoworker export-hf` would; off by default (the tutorial saves only the shards)."""
     seq_length: int = 1024
     """Prompt plus answer tokens; max_new_tokens defaults to seq_length - max_prompt_length."""
     enable_dynamic_batch_size: bool = False

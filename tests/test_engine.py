@@ -231,7 +231,7 @@ def test_dynamic_batch_size_gives_the_same_update(cluster_2x2, inputs, tmp_path)
               "algorithm.n_minibatches=2"]
     runs = {"fixed": common,
             "dynamic": [*common, "runner.enable_dynamic_batch_size=true",
-                        "runner.max_tokens_per_mbs=400"]}
+                        "runner.max_tokens_per_mbs=400", "runner.save_full_weights=true"]}
     weights = {}
     for name, overrides in runs.items():
         handle = run_grpo_two_worker(demo_config(inputs, tmp_path, name, overrides))
@@ -243,3 +243,11 @@ def test_dynamic_batch_size_gives_the_same_update(cluster_2x2, inputs, tmp_path)
         torch.testing.assert_close(weights["dynamic"][key], value, rtol=1e-5, atol=1e-6)
         moved += int(key in initial and not torch.equal(initial[key], value))
     assert moved > 0
+    # runner.save_full_weights: a Hugging Face copy of the checkpoint that transformers loads.
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = tmp_path / "dynamic/checkpoints/global_step_1/actor/huggingface"
+    exported = AutoModelForCausalLM.from_pretrained(hf_dir).state_dict()
+    for key, value in weights["dynamic"].items():
+        assert torch.equal(exported[key], value), key
+    assert not (tmp_path / "fixed/checkpoints/global_step_1/actor/huggingface").exists()
