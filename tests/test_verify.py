@@ -347,3 +347,28 @@ def test_several_defects_are_all_listed(run_dir: Path) -> None:
         require_passed(report)
     assert "2 error(s)" in str(info.value)
     assert "Traceback" in str(info.value) and "data.pt" in str(info.value)
+
+
+def test_verify_command_checks_the_placement_it_is_given(run_dir: Path) -> None:
+    """`rlinf-twoworker verify --expected-placement` verifies runs of other topologies."""
+    from rlinf_twoworker.cli import main
+
+    colocated = {"rollout": 0, "inference": 0, "actor": "0-1", "reward": 0}
+    write_config(run_dir, cluster__num_nodes=1, cluster__component_placement=colocated)
+    common = [
+        "verify",
+        "--output-dir",
+        str(run_dir),
+        "--target-steps",
+        "2",
+        "--expected-nodes",
+        "1",
+    ]
+    assert main(common) == 1  # the tutorial's placement is expected by default
+    assert (
+        main([*common, "--expected-placement", '{rollout:0,inference:0,actor:"0-1",reward:0}']) == 0
+    )
+    assert (
+        main([*common, "--expected-placement", '{rollout:0,inference:1,actor:"0-1",reward:0}']) == 1
+    )
+    assert main([*common, "--expected-placement", "[1,2]"]) == 1
