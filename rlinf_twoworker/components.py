@@ -81,8 +81,12 @@ class ComponentGroup:
         placement: Placement,
         pg: Any,
         classes: dict[str, type] | None = None,
+        bundle_nodes: list[dict[str, str]] | None = None,
     ) -> None:
+        """`bundle_nodes[i]` is {'node_id', 'ip'} of bundle i: where a member is known to be
+        before it answers (an error in its constructor still names its node)."""
         self.cfg, self.run_id, self.placement, self.pg = cfg, run_id, placement, pg
+        self.bundle_nodes = bundle_nodes or []
         self.classes = {**CLASSES, **(classes or {})}
         self.members: dict[str, list[Member]] = {}
         self.timeouts = cfg.runner.timeouts
@@ -104,7 +108,8 @@ class ComponentGroup:
                 **options,
             )
             handle = remote.remote(self.cfg, slot.rank)
-            self.members.setdefault(slot.component, []).append(Member(slot, handle, {}))
+            where = dict(self.bundle_nodes[slot.bundle]) if self.bundle_nodes else {}
+            self.members.setdefault(slot.component, []).append(Member(slot, handle, where))
 
     async def wait_started(self) -> None:
         members = self.all()
@@ -125,7 +130,8 @@ class ComponentGroup:
 
     def describe(self, member: Member) -> str:
         w = member.where
-        return f"{w.get('host', '?')}/{w.get('ip', '?')} node {str(w.get('node_id', '?'))[:8]}"
+        host = f"{w['host']}/" if w.get("host") else ""
+        return f"{host}{w.get('ip', '?')} node {str(w.get('node_id', '?'))[:8]}"
 
     async def call(
         self, member: Member, method: str, *args: Any, timeout: float, stage: str
@@ -217,11 +223,12 @@ class ComponentGroup:
                 return self.died(
                     member,
                     f"its node {node[:8]} ({member.where.get('ip', '?')}) is dead (removed from "
-                    "the cluster or unreachable); the run cannot continue without it",
+                    "the cluster or unreachable). Check the node, then start a new run, "
+                    "resuming from the last checkpoint",
                 )
             ping = self._pings.get(member.slot.name)
             if ping is not None and ping.done():
-                error = None if ping.cancelled() else ping.exception()
+                error = None if ping.cancelled() else ping.result()
                 if is_death(error):
                     return self.died(member, error)
                 ping = None  # answered, or only unavailable for now: ask again
@@ -235,10 +242,10 @@ class ComponentGroup:
 
         async def probe(member: Member) -> BaseException | None:
             try:
-                await asyncio.wait_for(_ping(member.handle), timeout)
-            except Exception as exc:  # a timeout or an unavailable actor is not a death
-                return exc if is_death(exc) else None
-            return None
+                error = await asyncio.wait_for(_ping(member.handle), timeout)
+            except asyncio.TimeoutError:
+                return None
+            return error if is_death(error) else None  # unavailable is not (yet) dead
 
         members = self.all()
         errors = await asyncio.gather(*(probe(m) for m in members))
@@ -274,8 +281,14 @@ async def gather_fail_fast(calls: list[Awaitable[Any]]) -> list[Any]:
     return [t.result() for t in tasks]
 
 
-async def _ping(handle: Any) -> Any:
-    return await handle.ping.remote()
+async def _ping(handle: Any) -> BaseException | None:
+    """None when the process answered, else Ray's error (returned, so that a ping nobody
+    looks at again never logs an unretrieved exception)."""
+    try:
+        await handle.ping.remote()
+    except Exception as exc:
+        return exc
+    return None
 
 
 def is_death(exc: BaseException | None) -> bool:
@@ -285,10 +298,16 @@ def is_death(exc: BaseException | None) -> bool:
 
 
 def death_cause(exc: BaseException) -> str:
-    """One line out of Ray's ActorDiedError: how the process died."""
+    """One line out of Ray's ActorDiedError (or ActorUnavailableError): how the process died."""
     if not isinstance(exc, ray.exceptions.RayActorError):
         return _short(exc)
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if isinstance(exc, ray.exceptions.ActorUnavailableError):
+        detail = " ".join(lines).split("unavailable: ")[-1].split(". The task may")[0]
+        return (
+            f"its process became unreachable ({detail}); its node may be lost or cut off. "
+            "Check that node, then start a new run, resuming from the last checkpoint"
+        )
     if exc.actor_init_failed:
         return f"its constructor failed: {lines[-1] if lines else type(exc).__name__}"
     pid = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("pid:")), "?")
@@ -301,7 +320,7 @@ def death_cause(exc: BaseException) -> str:
 
 
 def _short(exc: BaseException) -> str:
-    if isinstance(exc, ray.exceptions.ActorDiedError):
+    if isinstance(exc, ray.exceptions.RayActorError):
         return death_cause(exc)
     text = str(exc).strip()
     cause = getattr(exc, "cause", None)

@@ -127,6 +127,7 @@ class RunController:
     # ---- the run ---------------------------------------------------------------------------
     async def _run(self) -> None:
         watchdog = asyncio.get_running_loop().create_task(self._watchdog())
+        failure: tuple[BaseException, str] | None = None
         try:
             self.state = "running"
             await self._setup()
@@ -137,17 +138,22 @@ class RunController:
             self.result_f.set(report)
         except asyncio.CancelledError:
             if self.detected is not None:  # the watchdog stopped the run: a death, not a cancel
-                self._fail(self.detected, "failed")
+                failure = (self.detected, "failed")
             else:
-                self._fail(RunCancelledError(f"run {self.run_id} was cancelled"), "cancelled")
+                failure = (RunCancelledError(f"run {self.run_id} was cancelled"), "cancelled")
         except BaseException as exc:  # every failure must resolve the futures
             watchdog.cancel()
-            self._fail(await self._root_cause(exc), "failed")
+            failure = (exc, "failed")
+            failure = (await self._root_cause(exc), "failed")
         finally:
             watchdog.cancel()
             if self.group is not None:
                 self.group.stop_watch()
-            await asyncio.to_thread(self._release)
+            try:  # release first: when a future raises, the cluster is already free
+                await asyncio.to_thread(self._release)
+            finally:
+                if failure is not None:
+                    self._fail(*failure)
 
     async def _setup(self) -> None:
         from rlinf_twoworker.preflight import run_preflight

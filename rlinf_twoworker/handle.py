@@ -8,6 +8,8 @@ actor on the Driver's node. The handle's futures are Ray ObjectRefs: `ray.get`, 
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,17 +19,27 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 
 from rlinf_twoworker import checkpoint as ckpt
-from rlinf_twoworker.components import NAMESPACE
+from rlinf_twoworker.components import NAMESPACE, death_cause
 from rlinf_twoworker.config import GRPOConfig, to_typed
-from rlinf_twoworker.errors import ClusterError, ConfigError, TwoWorkerError
-from rlinf_twoworker.rundir import DRIVER_LOG, create_run_dir, run_dir_of
+from rlinf_twoworker.errors import ClusterError, ComponentError, ConfigError, TwoWorkerError
+from rlinf_twoworker.rundir import (
+    DRIVER_LOG,
+    FAILURE_JSON,
+    RunLog,
+    atomic_write_text,
+    create_run_dir,
+    run_dir_of,
+)
 
 
 class RunHandle:
     """One run: its identity, its futures and its controls."""
 
-    def __init__(self, controller: Any, cfg: DictConfig, run_dir: Path) -> None:
+    def __init__(
+        self, controller: Any, cfg: DictConfig, run_dir: Path, controller_node: str = "?"
+    ) -> None:
         self._controller = controller
+        self._controller_node = controller_node
         self.config = cfg
         self._typed: GRPOConfig = to_typed(cfg)
         self.run_id: str = self._typed.runner.experiment_name
@@ -73,6 +85,22 @@ class RunHandle:
             return ray.get(self.result_ref(), timeout=timeout)
         except ray.exceptions.RayTaskError as exc:
             raise _cause(exc) from None
+        except ray.exceptions.RayActorError as exc:
+            raise self._controller_lost(exc) from None
+
+    def _controller_lost(self, exc: ray.exceptions.RayActorError) -> ComponentError:
+        """The controller's process died: its components died with it (Ray fate-shares them
+        with their owner), but its placement group lives as long as the Driver's job, so the
+        handle removes it, and records the failure the controller could not."""
+        error = ComponentError("controller", 0, self._controller_node, death_cause(exc))
+        _remove_placement_group(f"{self.run_id}:pg")
+        failure = self.output_dir / FAILURE_JSON
+        if not failure.exists():
+            RunLog(self.output_dir).info(f"RUN_FAILED error=ComponentError: {error}")
+            record = {"state": "failed", "error": str(error), "type": "ComponentError"}
+            record.update(component="controller", rank=0, node=error.node, cause=error.cause)
+            atomic_write_text(failure, json.dumps({**record, "time": time.time()}, indent=2))
+        return error
 
     def done(self) -> bool:
         ready, _ = ray.wait([self.result_ref()], timeout=0)
@@ -112,15 +140,62 @@ class RunHandle:
             time.sleep(poll_s)
 
 
+def _remove_placement_group(name: str) -> None:
+    """Remove the live placement group called `name`, whichever namespace made it."""
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    from rlinf_twoworker.placement import wait_removed
+
+    for pg_id, info in placement_group_table().items():
+        if info["name"] == name and info["state"] != "REMOVED":
+            wait_removed(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+
 def _cause(exc: ray.exceptions.RayTaskError) -> BaseException:
     """The run's own error (ComponentError, PreflightError, ...) without Ray's wrapping."""
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, BaseException) else exc
 
 
+CONNECT_PROBE_S = 10.0
+
+
+def _probe_address(ray_address: str) -> None:
+    """Fail in seconds when nothing listens at host:port (ray.init would retry for minutes)."""
+    import socket
+
+    host, sep, port = ray_address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in ray_address:
+        return  # 'auto', a ray:// client address: left to ray.init
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_PROBE_S):
+            pass
+    except OSError as exc:
+        raise ClusterError(
+            f"no Ray cluster reachable at {ray_address}: cannot open a TCP connection to the "
+            f"GCS ({exc}). Check the address (the head's `ray start --head` prints it) and "
+            "that the head is up; the library never starts Ray itself."
+        ) from exc
+
+
+def _bootstrap_address(ray_address: str | None) -> str:
+    """The GCS address ray.init will dial: the argument, RAY_ADDRESS, or the address this
+    host's last `ray start` recorded ('auto' when none is known)."""
+    address = ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+    if address != "auto":
+        return address
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        return canonicalize_bootstrap_address("auto") or "auto"
+    except Exception:  # no cluster recorded on this host: ray.init says so itself
+        return "auto"
+
+
 def _connect(ray_address: str | None) -> None:
     if ray.is_initialized():  # embedded in another Ray program: use its connection
         return
+    _probe_address(_bootstrap_address(ray_address))
     try:
         ray.init(address=ray_address or "auto", namespace=NAMESPACE, log_to_driver=False)
     except (ConnectionError, RuntimeError) as exc:
@@ -197,4 +272,5 @@ def run_grpo_two_worker(
         ray.get(controller.start.remote(), timeout=typed.runner.timeouts.actor_start_s)
     except Exception as exc:
         raise TwoWorkerError(f"the run controller did not start on this node: {exc}") from exc
-    return RunHandle(controller, cfg, run_dir)
+    where = f"{ray.util.get_node_ip_address()} node {here[:8]}"
+    return RunHandle(controller, cfg, run_dir, controller_node=where)

@@ -1,0 +1,550 @@
+"""Fault injection on a real 2-node Ray cluster: component processes killed with SIGKILL, a node
+removed, a crash in the middle of a checkpoint, the Driver killed or interrupted. Every run must
+fail within runner.timeouts.failure_detection_s with an error naming the component, its rank and
+its node, leave its completed checkpoints untouched, and release its actors and placement group.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import ray
+from omegaconf import OmegaConf
+from ray.util.placement_group import placement_group, placement_group_table
+
+import rlinf_twoworker
+from rlinf_twoworker import ComponentError, RunCancelledError, run_grpo_two_worker
+from rlinf_twoworker import checkpoint as ckpt
+from rlinf_twoworker.actor import ActorWorker
+from rlinf_twoworker.components import NAMESPACE
+from rlinf_twoworker.config import to_typed
+from rlinf_twoworker.demo import demo_config, make_inputs
+from rlinf_twoworker.placement import wait_removed
+from rlinf_twoworker.rollout import RolloutWorker
+from rlinf_twoworker.rundir import complete_checkpoint_steps
+from rlinf_twoworker.verify import verify_run
+
+# Classes injected into a run travel by value: the workers cannot import this test module.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+TIMEOUT = 300
+MARKERS = Path(tempfile.mkdtemp(prefix="rlinf-reliability-"))
+# Every process of the session's cluster inherits this (the cluster starts after collection);
+# no file of a run directory may ever contain it.
+SECRET_NAME, SECRET = "RLINF_RELIABILITY_API_TOKEN", f"tok-{os.getpid()}-never-logged"
+os.environ.setdefault(SECRET_NAME, SECRET)
+ONE_NODE = [
+    "cluster.num_nodes=1",
+    "cluster.num_gpus_per_node=2",
+    "cluster.component_placement={rollout:0,inference:0,reward:0,actor:'0-1'}",
+]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return make_inputs(tmp_path_factory.mktemp("inputs"))
+
+
+# ---- injected components ---------------------------------------------------------------------
+
+
+def marker(run_id: str, what: str) -> Path:
+    return MARKERS / f"{run_id}.{what}"
+
+
+class StallingActor(ActorWorker):
+    """From the second update on, the ranks in `stall_ranks` leave a marker and sleep instead
+    of training; a rank that does not stall enters the update's collectives and waits there."""
+
+    stall_ranks: tuple[int, ...] = (0, 1)
+
+    def train_step(self, shards):
+        self.updates = getattr(self, "updates", 0) + 1
+        run_id = self.cfg.runner.experiment_name
+        if self.updates >= 2:
+            marker(run_id, f"actor{self.rank}.entered").touch()
+            if self.rank in self.stall_ranks:
+                marker(run_id, f"actor{self.rank}.stalled").touch()
+                time.sleep(3600)
+        return super().train_step(shards)
+
+
+class StallingRankOne(StallingActor):
+    stall_ranks = (1,)
+
+
+class CrashInCheckpoint(ActorWorker):
+    """Actor rank 1 is killed (SIGKILL) half-way through writing its shard of the second
+    checkpoint, while rank 0 waits for it in DCP's collective."""
+
+    def save_checkpoint(self, path):
+        self.saves = getattr(self, "saves", 0) + 1
+        if self.saves == 2 and self.rank == 1:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            with open(Path(path) / "__1_0.distcp", "wb") as handle:
+                handle.write(b"half a shard")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().save_checkpoint(path)
+
+
+class GatedRollout(RolloutWorker):
+    """Holds the third rollout until the test opens the gate (a marker file)."""
+
+    def generate(self, *args, **kwargs):
+        self.calls = getattr(self, "calls", 0) + 1
+        gate = marker(self.cfg.runner.experiment_name, "gate")
+        deadline = time.monotonic() + TIMEOUT
+        while self.calls == 3 and not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return super().generate(*args, **kwargs)
+
+
+class Launcher:
+    """Starts a run from a process on another node: that run's Driver node is that node."""
+
+    def start(self, cfg, classes):
+        self.handle = run_grpo_two_worker(cfg, component_classes=classes)
+        return self.handle
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not seen within {timeout:g} s")
+        time.sleep(0.2)
+
+
+def wait_markers(handle, *paths: Path, timeout: float = TIMEOUT) -> None:
+    def seen() -> bool:
+        if handle.done():
+            handle.result(timeout=10)  # raises the run's own error
+            raise AssertionError("the run ended before the injected fault")
+        return all(p.exists() for p in paths)
+
+    wait_until(seen, timeout, f"markers {[p.name for p in paths]}")
+
+
+def cause_of(ref, timeout: float) -> BaseException:
+    """The run's own error that a pending future raises."""
+    try:
+        ray.get(ref, timeout=timeout)
+    except ray.exceptions.RayTaskError as exc:
+        return exc.cause
+    raise AssertionError("the future resolved instead of raising")
+
+
+def run_actors(run_id: str) -> list[str]:
+    names = ray.util.list_named_actors(all_namespaces=True)
+    return [
+        a["name"] for a in names if a["namespace"] == NAMESPACE and a["name"].startswith(run_id)
+    ]
+
+
+def live_groups(name: str | None = None) -> list[dict]:
+    groups = ray.util.placement_group_table().values()
+    return [g for g in groups if g["state"] != "REMOVED" and name in (None, g["name"])]
+
+
+def assert_released(run_id: str, timeout: float = 30, driver_gone: bool = False) -> None:
+    """Within `timeout`: no component actor of the run alive and its placement group removed.
+    The controller outlives its run while the Driver holds the handle (it answers the handle's
+    futures, holding no resources); once the Driver is gone it must be gone too."""
+
+    def left() -> list[str]:
+        return [n for n in run_actors(run_id) if driver_gone or ":controller:" not in n]
+
+    wait_until(
+        lambda: not left() and not live_groups(f"{run_id}:pg"),
+        timeout,
+        f"release of run {run_id} (actors {left()}, groups {live_groups(f'{run_id}:pg')})",
+    )
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def row(handle, component: str, rank: int) -> dict:
+    return next(r for r in handle.topology() if (r["component"], r["rank"]) == (component, rank))
+
+
+def bound_of(handle) -> float:
+    return handle._typed.runner.timeouts.failure_detection_s
+
+
+def assert_failure_recorded(run_dir: Path, component: str, rank: int) -> None:
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["state"] == "failed" and failure["type"] == "ComponentError", failure
+    assert (failure["component"], failure["rank"]) == (component, rank), failure
+    line = f"RUN_FAILED error=ComponentError: component {component} rank {rank} on node"
+    for log in ("log/main.log", "driver.log"):
+        assert line in (run_dir / log).read_text(), log
+
+
+# ---- failure detection -----------------------------------------------------------------------
+
+
+def test_killed_rank_fails_the_run_while_its_peer_waits_in_a_collective(
+    cluster_2x2, inputs, tmp_path
+):
+    run_id = "kill-rank"
+    cfg = demo_config(inputs, tmp_path, run_id, ["runner.max_steps=3", "runner.save_interval=1"])
+    handle = run_grpo_two_worker(cfg, component_classes={"actor": StallingRankOne})
+    first = ray.get(handle.checkpoint(1), timeout=TIMEOUT)
+    before = digests(Path(first.directory))
+    wait_markers(handle, marker(run_id, "actor0.entered"), marker(run_id, "actor1.stalled"))
+    pending = [handle.step(3), handle.checkpoint(3), handle.step(2)]
+    victim = row(handle, "actor", 1)
+
+    killed_at = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+    with pytest.raises(ComponentError) as failed:
+        handle.result(timeout=bound_of(handle))
+    assert time.monotonic() - killed_at < bound_of(handle)
+
+    error = failed.value
+    assert (error.component, error.rank) == ("actor", 1), error
+    assert victim["node_id"][:8] in error.node and victim["node_ip"] in error.node
+    assert f"pid {victim['pid']}" in error.cause and "died" in error.cause
+    for ref in pending:
+        assert str(cause_of(ref, 30)) == str(error)
+    run_dir = tmp_path / run_id
+    assert_failure_recorded(run_dir, "actor", 1)
+    assert_released(run_id)
+    assert digests(Path(first.directory)) == before  # the completed checkpoint is untouched
+    assert complete_checkpoint_steps(run_dir) == [1]
+
+
+def test_watchdog_fails_the_run_when_a_component_dies_with_no_call_in_flight(
+    cluster_2x2, inputs, tmp_path
+):
+    """The reward actor dies while both actor ranks are busy in their update: no call to the
+    reward is in flight, and without the watchdog the run would wait for step_s (an hour)."""
+    run_id = "kill-reward"
+    cfg = demo_config(
+        inputs, tmp_path, run_id, ["runner.max_steps=3", "runner.timeouts.failure_detection_s=20"]
+    )
+    handle = run_grpo_two_worker(cfg, component_classes={"actor": StallingActor})
+    wait_markers(handle, marker(run_id, "actor0.stalled"), marker(run_id, "actor1.stalled"))
+    victim = row(handle, "reward", 0)
+
+    killed_at = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+    with pytest.raises(ComponentError) as failed:
+        handle.result(timeout=bound_of(handle))
+    assert time.monotonic() - killed_at < bound_of(handle)
+
+    error = failed.value
+    assert (error.component, error.rank) == ("reward", 0), error
+    assert victim["node_id"][:8] in error.node and f"pid {victim['pid']}" in error.cause
+    assert str(cause_of(handle.step(2), 30)) == str(error)
+    assert_failure_recorded(tmp_path / run_id, "reward", 0)
+    assert_released(run_id)
+
+
+def test_controller_dying_fails_the_run_and_the_handle_releases_its_group(
+    cluster_2x2, inputs, tmp_path
+):
+    """The controller process killed: its components die with it (owned by it), its futures
+    raise, and handle.result() names it, removes the placement group and records the failure."""
+    run_id = "kill-controller"
+    cfg = demo_config(inputs, tmp_path, run_id, ["runner.max_steps=50", "runner.save_interval=50"])
+    handle = run_grpo_two_worker(cfg)
+    ray.get(handle.step(1), timeout=TIMEOUT)
+    pending = handle.step(50)
+    pid = handle.status()["controller_pid"]
+
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(ComponentError) as failed:
+        handle.result(timeout=bound_of(handle))
+    assert time.monotonic() - killed_at < bound_of(handle)
+
+    error = failed.value
+    assert (error.component, error.rank) == ("controller", 0) and f"pid {pid}" in error.cause
+    assert ray.get_runtime_context().get_node_id()[:8] in error.node
+    with pytest.raises(ray.exceptions.RayActorError, match=f"{run_id}:controller:0"):
+        ray.get(pending, timeout=30)
+    assert_failure_recorded(tmp_path / run_id, "controller", 0)
+    assert_released(run_id, driver_gone=True)
+
+
+# ---- durable checkpoints ---------------------------------------------------------------------
+
+
+def test_crash_mid_checkpoint_leaves_only_the_staging_dir_which_resume_ignores(
+    cluster_2x2, inputs, tmp_path
+):
+    run_id = "crash-ckpt"
+    cfg = demo_config(inputs, tmp_path, run_id, ["runner.max_steps=3", "runner.save_interval=1"])
+    handle = run_grpo_two_worker(cfg, component_classes={"actor": CrashInCheckpoint})
+    first = ray.get(handle.checkpoint(1), timeout=TIMEOUT)
+    before = digests(Path(first.directory))
+    with pytest.raises(ComponentError) as failed:
+        handle.result(timeout=TIMEOUT)
+    assert (failed.value.component, failed.value.rank) == ("actor", 1), failed.value
+    assert "died" in failed.value.cause and "checkpoint 2" in failed.value.cause
+
+    run_dir = tmp_path / run_id
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        ".global_step_2.incomplete",
+        "global_step_1",
+    ]
+    staging = checkpoints / ".global_step_2.incomplete"
+    dcp_dir = staging / "actor" / "dcp_checkpoint"
+    assert (dcp_dir / "__1_0.distcp").read_bytes() == b"half a shard"
+    assert not (dcp_dir / ".metadata").exists() and not (staging / "data" / "data.pt").exists()
+    assert digests(Path(first.directory)) == before
+    assert complete_checkpoint_steps(run_dir) == [1]
+    assert ckpt.last_complete(run_dir) == checkpoints / "global_step_1"
+    for source in (str(run_dir), "auto"):
+        resumer = demo_config(inputs, tmp_path, "resumer", [f"runner.resume_dir={source}"])
+        found = ckpt.resume_source(to_typed(resumer), tmp_path / "resumer")
+        assert found == checkpoints / "global_step_1", source
+    assert_released(run_id)
+
+
+def test_keep_last_checkpoints_and_a_run_writes_only_its_own_directory(
+    cluster_2x2, inputs, tmp_path
+):
+    run_id = "keep-last"
+    cfg = demo_config(
+        inputs,
+        tmp_path,
+        run_id,
+        ["runner.max_steps=3", "runner.save_interval=1", "runner.keep_last_checkpoints=2"],
+    )
+    handle = run_grpo_two_worker(cfg)
+    first = ray.get(handle.checkpoint(1), timeout=TIMEOUT)
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {
+        Path(name).name for name in first.files
+    } and "data/data.pt" in first.files
+    component_pid = row(handle, "actor", 0)["pid"]
+    component_env = Path(f"/proc/{component_pid}/environ").read_bytes().split(b"\0")
+    assert f"{SECRET_NAME}={SECRET}".encode() in component_env  # the secret is there to leak
+    report = handle.result(timeout=TIMEOUT)
+    assert report.passed, report.errors
+
+    run_dir = tmp_path / run_id
+    assert complete_checkpoint_steps(run_dir) == [2, 3]
+    # Only the run directory and the output root's lock file were created; no file holds the
+    # secret from the environment.
+    assert sorted(os.listdir(tmp_path)) == [f".{run_id}.lock", run_id]
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+
+    # Pruning never deletes the only complete checkpoint: a newer directory whose shard is
+    # missing is not complete, so it neither counts nor gets deleted.
+    damaged = run_dir / "checkpoints" / "global_step_4"
+    shutil.copytree(run_dir / "checkpoints" / "global_step_3", damaged)
+    (damaged / "actor" / "dcp_checkpoint" / "__1_0.distcp").unlink()
+    assert ckpt.prune(run_dir, 1) == [2]
+    assert ckpt.prune(run_dir, 1) == []
+    assert ckpt.complete_steps(run_dir) == [3] and damaged.is_dir()
+
+
+# ---- safety ----------------------------------------------------------------------------------
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def test_the_library_runs_no_shell_command_built_from_input():
+    """Every subprocess call passes an argv list, never shell=True; no os.system or popen."""
+    package = Path(rlinf_twoworker.__file__).parent
+    calls = []
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = _dotted(node.func)
+            where = f"{path.name}:{node.lineno} {name}"
+            assert name not in ("os.system", "os.popen", "subprocess.getoutput"), where
+            if name.startswith("subprocess.") or name in ("Popen", "run", "check_output"):
+                shell = [k for k in node.keywords if k.arg == "shell"]
+                assert not shell or getattr(shell[0].value, "value", True) is False, where
+                if name.startswith("subprocess."):
+                    first = node.args[0] if node.args else None
+                    assert isinstance(first, (ast.List, ast.Name)), f"{where}: argv not a list"
+                    calls.append(where)
+    assert calls  # the preflight's git and nvidia-smi calls were found and checked
+
+
+# ---- cancellation and clean-up ---------------------------------------------------------------
+
+
+def save_config(cfg, path: Path) -> Path:
+    OmegaConf.save(cfg, path, resolve=True)
+    return path
+
+
+DRIVER = """
+import os, sys
+import ray
+from rlinf_twoworker import run_grpo_two_worker
+from rlinf_twoworker.config import load_config
+
+handle = run_grpo_two_worker(load_config(sys.argv[1]), ray_address=sys.argv[2])
+ray.get(handle.step(1), timeout=300)
+print("STEP_1_DONE", flush=True)
+os._exit(7)  # the Driver dies without cancelling anything
+"""
+
+
+def test_driver_exiting_abruptly_kills_the_run_and_frees_the_cluster(cluster_2x2, inputs, tmp_path):
+    run_id = "driver-exit"
+    out = tmp_path / "out"
+    cfg = demo_config(inputs, out, run_id, ["runner.max_steps=50", "runner.save_interval=50"])
+    path = save_config(cfg, tmp_path / "config.yaml")
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(path), cluster_2x2.address],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 7 and "STEP_1_DONE" in done.stdout, done.stderr[-3000:]
+    assert_released(run_id, timeout=30, driver_gone=True)
+
+
+def test_ctrl_c_on_the_cli_driver_cancels_the_run_and_frees_the_cluster(
+    cluster_2x2, inputs, tmp_path
+):
+    run_id = "ctrl-c"
+    out = tmp_path / "out"
+    cfg = demo_config(inputs, out, run_id, ["runner.max_steps=50", "runner.save_interval=50"])
+    path = save_config(cfg, tmp_path / "config.yaml")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORK_ROOT", "TARGET_STEPS")}
+    env["RUN_ID"] = run_id  # the Driver command's interface (the config names the same run)
+    log = tmp_path / "driver.out"
+    argv = [sys.executable, "-m", "rlinf_twoworker.cli", "run", "--config", str(path)]
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(
+            [*argv, "--address", cluster_2x2.address],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        try:
+            wait_until(
+                lambda: "STEP 1/50" in log.read_text() or proc.poll() is not None,
+                TIMEOUT,
+                "step 1 in the Driver's output",
+            )
+            assert proc.poll() is None, log.read_text()[-3000:]
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    assert code == 130, text[-3000:]
+    assert "STARTUP_EXIT_CODE=130" in text
+    assert json.loads((out / run_id / "failure.json").read_text())["state"] == "cancelled"
+    assert_released(run_id, timeout=30, driver_gone=True)
+
+
+def test_two_runs_side_by_side_do_not_interfere(cluster_2x2, inputs, tmp_path):
+    """Run A (Driver on the head) is cancelled while run B (Driver on the worker node) is held
+    at its third step; B then finishes and verifies. Each has its own one-node group."""
+    placement = {"rollout": 0, "inference": 0, "reward": 0, "actor": "0-1"}
+    cfg_a = demo_config(inputs, tmp_path, "side-a", [*ONE_NODE, "runner.max_steps=30"])
+    cfg_b = demo_config(
+        inputs, tmp_path, "side-b", [*ONE_NODE, "runner.max_steps=4", "runner.save_interval=4"]
+    )
+    worker_node = next(
+        n["NodeID"] for n in ray.nodes() if n["Alive"] and "local_node_1" in n["Resources"]
+    )
+    launcher = ray.remote(Launcher).options(num_cpus=0, resources={"local_node_1": 0.01}).remote()
+    handle_b = ray.get(launcher.start.remote(cfg_b, {"rollout": GatedRollout}), timeout=120)
+    handle_a = run_grpo_two_worker(cfg_a)
+    try:
+        ray.get([handle_a.step(1), handle_b.step(2)], timeout=TIMEOUT)
+        head = ray.get_runtime_context().get_node_id()
+        assert {r["node_id"] for r in handle_a.topology()} == {head}
+        assert {r["node_id"] for r in handle_b.topology()} == {worker_node}
+
+        handle_a.cancel()
+        cancelled_at = time.time()
+        with pytest.raises(RunCancelledError):
+            handle_a.result(timeout=60)
+        assert_released("side-a")
+        assert placement_group_table(handle_b.placement_group)["state"] == "CREATED"
+        assert handle_b.status()["state"] == "running" and not handle_b.done()
+        marker("side-b", "gate").touch()
+
+        report = handle_b.result(timeout=TIMEOUT)
+        assert report.passed, report.errors
+        assert ray.get(handle_b.step(3), timeout=30).finished_at > cancelled_at
+        again = verify_run(
+            tmp_path / "side-b", 4, expected_nodes=1, write=False, expected_placement=placement
+        )
+        assert again.passed, again.errors
+        assert_released("side-b")
+    finally:
+        for handle in (handle_a, handle_b):
+            if not handle.done():
+                handle.cancel()
+        ray.kill(launcher)
+
+
+# ---- a node lost (runs last: it grows and shrinks the session's cluster) -----------------------
+
+
+def test_removed_node_fails_the_run_within_the_detection_bound(cluster_2x2, inputs, tmp_path):
+    """A third node joins; the second node's GPUs are held, so the run's actors land on the new
+    node; that node is then killed (all its processes, no graceful drain)."""
+    cluster = cluster_2x2._cluster
+    node = cluster.add_node(**cluster_2x2._node_args(2))
+    cluster.wait_for_nodes()
+    blocker = placement_group([{"GPU": 2, "local_node_1": 0.01}], name="blocker")
+    removed = False
+    try:
+        ray.get(blocker.ready(), timeout=60)
+        run_id = "lose-node"
+        cfg = demo_config(inputs, tmp_path, run_id, ["runner.max_steps=3"])
+        handle = run_grpo_two_worker(cfg, component_classes={"actor": StallingActor})
+        wait_markers(handle, marker(run_id, "actor0.stalled"), marker(run_id, "actor1.stalled"))
+        assert {r["node_id"] for r in handle.topology() if r["component"] == "actor"} == {
+            node.node_id
+        }
+
+        removed_at = time.monotonic()
+        cluster.remove_node(node, allow_graceful=False)
+        removed = True
+        with pytest.raises(ComponentError) as failed:
+            handle.result(timeout=bound_of(handle))
+        assert time.monotonic() - removed_at < bound_of(handle)
+        assert failed.value.component == "actor" and node.node_id[:8] in failed.value.node
+        assert json.loads((tmp_path / run_id / "failure.json").read_text())["component"] == "actor"
+        assert_released(run_id)
+    finally:
+        wait_removed(blocker)
+        if not removed:
+            cluster.remove_node(node)
