@@ -39,45 +39,6 @@ def _code_of(exc: BaseException, started: bool) -> int:
     return FAILED
 
 
-def connect(address: str | None, typed: Any) -> None:
-    """Connect to the running cluster (never start one) and check it has the config's nodes;
-    fail in seconds if none answers."""
-    import socket
-
-    import ray
-
-    from rlinf_twoworker.components import NAMESPACE
-    from rlinf_twoworker.handle import check_cluster
-
-    if ray.is_initialized():
-        return check_cluster(typed)
-    if not (address or "").startswith("ray://"):
-        try:  # where ray.init would dial: Ray itself retries an absent cluster for minutes
-            from ray._private.services import canonicalize_bootstrap_address
-
-            target = canonicalize_bootstrap_address(address or "auto")
-        except ConnectionError as exc:
-            raise ClusterError(
-                f"no Ray cluster found ({exc}); run the Driver on the Ray Head of a running "
-                "cluster or set RAY_ADDRESS (this command never starts Ray)"
-            ) from exc
-        host, _, port = (target or "").rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=10).close()
-        except (OSError, ValueError) as exc:
-            raise ClusterError(
-                f"no Ray cluster reachable at {target} ({exc}); check that the Ray Head is up "
-                "and RAY_ADDRESS (this command never starts Ray)"
-            ) from exc
-    try:
-        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False)
-    except (ConnectionError, RuntimeError) as exc:
-        raise ClusterError(
-            f"cannot connect to the Ray cluster at {address or 'auto'}: {exc}"
-        ) from exc
-    check_cluster(typed)
-
-
 def drive(
     cfg: Any, overrides: Sequence[str], console: Console, timeout_s: float | None = None
 ) -> int:
@@ -131,6 +92,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         cfg, overrides = resolve_request(args.config, args.overrides, os.environ)
         signal.signal(signal.SIGTERM, _interrupt)  # the platform stopping the Driver cancels
+        from rlinf_twoworker.handle import connect
+
         connect(args.address, to_typed(cfg))
     except Exception as exc:
         console.error(f"{type(exc).__name__}: {exc}")
@@ -165,6 +128,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     try:
         cfg, _ = resolve_request(args.config, args.overrides, os.environ, for_run=False)
         typed = to_typed(cfg)
+        from rlinf_twoworker.handle import connect
+
         connect(args.address, typed)
         from rlinf_twoworker.placement import create_placement_group
         from rlinf_twoworker.preflight import run_preflight

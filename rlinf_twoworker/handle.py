@@ -192,9 +192,16 @@ def _bootstrap_address(ray_address: str | None) -> str:
         return "auto"
 
 
+def connect(ray_address: str | None, cfg: GRPOConfig | None = None) -> None:
+    """Connect to a running cluster (never start one), failing in seconds when none answers;
+    with `cfg`, check that the cluster has the nodes and GPUs it asks for."""
+    if not ray.is_initialized():  # else: embedded in another Ray program, use its connection
+        _connect(ray_address)
+    if cfg is not None:
+        check_cluster(cfg)
+
+
 def _connect(ray_address: str | None) -> None:
-    if ray.is_initialized():  # embedded in another Ray program: use its connection
-        return
     _probe_address(_bootstrap_address(ray_address))
     try:
         ray.init(address=ray_address or "auto", namespace=NAMESPACE, log_to_driver=False)
@@ -220,6 +227,15 @@ def check_cluster(cfg: GRPOConfig) -> None:
         raise ClusterError(
             f"{cfg.cluster.num_nodes} nodes with {cfg.cluster.num_gpus_per_node} GPUs each are "
             f"needed; the alive nodes have GPUs {gpus}. Fix cluster.num_gpus_per_node."
+        )
+    here = ray.get_runtime_context().get_node_id()
+    own = next((n for n in alive if n["NodeID"] == here), None)
+    own_gpus = int(own["Resources"].get("GPU", 0)) if own else 0
+    if own_gpus < cfg.cluster.num_gpus_per_node:
+        raise ClusterError(
+            f"this node (the Driver's, {here[:8]}) has {own_gpus} GPU(s), but bundle 0 of the "
+            f"placement group (rollout, reward, inference) is pinned here and needs "
+            f"{cfg.cluster.num_gpus_per_node}: run the Driver on the Ray Head with its GPUs"
         )
 
 
@@ -248,8 +264,7 @@ def run_grpo_two_worker(
             f"run directory {run_dir} already exists; runs are never reused "
             "or overwritten: choose a new RUN_ID",
         )
-    _connect(ray_address)
-    check_cluster(typed)
+    connect(ray_address, typed)
     run_dir = create_run_dir(cfg, overrides)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -112,6 +112,16 @@ class NodeProbe:
                 r["manifests"][label] = verify_input(path)
             except PreflightError as exc:
                 fail(f"input {label}", exc)  # the manifest error says what to do
+        for model in dict.fromkeys(
+            [
+                cfg.actor.model.model_path,
+                cfg.rollout.model.model_path,
+                cfg.inference.model.model_path,
+            ]
+        ):
+            problem = _not_a_causal_lm(Path(model))
+            if problem:
+                fail(f"model {model}", problem, "point *.model.model_path at a causal LM")
         r["modules"] = {}
         for name in pre.required_modules:
             try:
@@ -194,6 +204,18 @@ class NodeProbe:
             return float(value.item())
         finally:
             dist.destroy_process_group()
+
+
+def _not_a_causal_lm(model_dir: Path) -> str | None:
+    """Why config.json does not describe a causal LM (…ForCausalLM), or None."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return f"config.json unreadable ({exc})"
+    archs = config.get("architectures") or []
+    if archs and not any(str(a).endswith("ForCausalLM") for a in archs):
+        return f"architectures {archs} is not a causal LM"
+    return None
 
 
 def compare_nodes(nodes: list[dict[str, Any]]) -> list[str]:

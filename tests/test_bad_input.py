@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -26,7 +25,6 @@ from ray.util.placement_group import placement_group
 
 from rlinf_twoworker import (
     ClusterError,
-    ComponentError,
     ConfigError,
     PlacementError,
     PreflightError,
@@ -332,7 +330,7 @@ def test_skip_malformed_lines_drops_only_the_bad_lines(inputs):
     assert len(samples) == total - 1
 
 
-def test_model_that_is_not_a_causal_lm_fails_naming_the_component_and_model(
+def test_model_that_is_not_a_causal_lm_fails_in_preflight_naming_the_model(
     cluster_2x2, inputs, tmp_path
 ):
     config = inputs.model_path / "config.json"
@@ -341,8 +339,46 @@ def test_model_that_is_not_a_causal_lm_fails_naming_the_component_and_model(
     write_manifest(inputs.model_path)
     before = listing(inputs.root)
     error = run_error(demo_config(inputs, tmp_path / "out", "not-causal"))
-    assert isinstance(error, ComponentError)
-    assert f"model in {inputs.model_path} is ['BertModel'], not a causal LM" in str(error)
-    assert error.component in ("rollout", "inference", "actor")
-    assert re.fullmatch(r"127\.0\.0\.1 node [0-9a-f]{8}", error.node), error.node
+    # Caught by every node's probe, before any component loads a model.
+    assert isinstance(error, PreflightError), error
+    assert f"model {inputs.model_path}: architectures ['BertModel'] is not a causal LM" in str(
+        error
+    )
+    assert "node 0" in str(error) and "node 1" in str(error)
     assert_failed_cleanly(tmp_path / "out" / "not-causal", inputs, before, error)
+
+
+DRIVER_WITHOUT_GPUS = r"""
+import os
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+import ray
+from ray.cluster_utils import Cluster
+from rlinf_twoworker import ClusterError
+from rlinf_twoworker.config import load_config, to_typed
+from rlinf_twoworker.handle import check_cluster
+
+args = dict(node_ip_address="127.0.0.1", num_cpus=1, object_store_memory=80 * 2**20)
+cluster = Cluster(initialize_head=True, head_node_args=dict(args, num_gpus=0,
+                                                             include_dashboard=False))
+for _ in range(2):  # on another loopback address, so the Driver attaches to the head
+    cluster.add_node(**dict(args, node_ip_address="127.0.0.2"), num_gpus=2)
+cluster.wait_for_nodes()
+ray.init(address=cluster.address, _node_ip_address="127.0.0.1")
+try:
+    check_cluster(to_typed(load_config(overrides=["cluster.accelerator=cpu"])))
+    print("NO ERROR")
+except ClusterError as exc:
+    print("ClusterError:", exc)
+finally:
+    ray.shutdown()
+    cluster.shutdown()
+"""
+
+
+def test_a_driver_on_a_node_without_gpus_is_told_at_once(tmp_path):
+    """Bundle 0 is pinned to the Driver's node: without GPUs there, say so instead of
+    waiting for the placement timeout."""
+    done = subprocess.run([sys.executable, "-c", DRIVER_WITHOUT_GPUS], capture_output=True,
+                          text=True, timeout=180, cwd=tmp_path)
+    assert "ClusterError: this node (the Driver's" in done.stdout, done.stdout + done.stderr
+    assert "has 0 GPU(s)" in done.stdout
