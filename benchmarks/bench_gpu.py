@@ -26,9 +26,17 @@ from pathlib import Path
 
 import torch
 
-QWEN_1P5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                 num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False)
+QWEN_1P5B = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -61,8 +69,12 @@ def make_model_dir(root: Path) -> Path:
     if (path / "SHA256SUMS").exists():
         return path
     tokenizer = build_tokenizer()
-    cfg = Qwen2Config(**QWEN_1P5B, bos_token_id=tokenizer.bos_token_id,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    cfg = Qwen2Config(
+        **QWEN_1P5B,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
@@ -88,11 +100,13 @@ def bench_rollout(model_dir: Path, quick: bool) -> dict:
         run = functools.partial(sampler.generate, ids, mask, new, eos, 0, settings)
         run()  # capture the graph
         t_static = statistics.median(timed(run, 3))
-        gen = functools.partial(model.generate, input_ids=ids, attention_mask=mask,
-                                do_sample=True, pad_token_id=0)
+        gen = functools.partial(
+            model.generate, input_ids=ids, attention_mask=mask, do_sample=True, pad_token_id=0
+        )
         gen(max_new_tokens=8, min_new_tokens=8)
-        t_hf = statistics.median(timed(functools.partial(
-            gen, max_new_tokens=new, min_new_tokens=new), 1))
+        t_hf = statistics.median(
+            timed(functools.partial(gen, max_new_tokens=new, min_new_tokens=new), 1)
+        )
         eager = StaticSampler(model, batch, prompt + new)
         eager._set_kernels(False)  # the same sampler without the fused elementwise kernels
         run_eager = functools.partial(eager.generate, ids, mask, new, eos, 0, settings)
@@ -103,14 +117,24 @@ def bench_rollout(model_dir: Path, quick: bool) -> dict:
             "static_unfused_tokens_per_s": batch * new / t_eager,
             "static_tokens_per_s": batch * new / t_static,
             "generate_tokens_per_s": batch * new / t_hf,
-            "speedup": t_hf / t_static, "static_s": t_static, "generate_s": t_hf}
+            "speedup": t_hf / t_static,
+            "static_s": t_static,
+            "generate_s": t_hf,
+        }
     # Greedy agreement with generate (bf16: kernels differ, so report the matching prefix).
     ids = torch.randint(100, 150000, (8, 64), device="cuda")
     mask = torch.ones_like(ids)
-    mine = StaticSampler(model, 8, 64 + 32).generate(ids, mask, 32, eos, 0,
-                                                     SamplingSettings(do_sample=False))
-    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=32,
-                         min_new_tokens=32, pad_token_id=0)[:, 64:].cpu()
+    mine = StaticSampler(model, 8, 64 + 32).generate(
+        ids, mask, 32, eos, 0, SamplingSettings(do_sample=False)
+    )
+    ref = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=32,
+        min_new_tokens=32,
+        pad_token_id=0,
+    )[:, 64:].cpu()
     same = (mine == ref).cumprod(-1).sum(-1).float()
     out["greedy_matching_prefix_mean"] = float(same.mean())
     return out
@@ -180,10 +204,12 @@ def bench_actor(model_dir: Path, peak_tflops: float, quick: bool) -> dict:
         tokens_s = batch * seq / t
         # 6 N per token for forward + backward, plus one more forward for the recompute.
         flops = 8 * n_params * tokens_s
-        out[f"b{batch}_s{seq}"] = {"tokens_per_s": tokens_s, "step_s": t,
-                                   "mfu_vs_measured_peak": flops / (peak_tflops * 1e12),
-                                   "mfu_6N_vs_measured_peak": 6 * n_params * tokens_s
-                                   / (peak_tflops * 1e12)}
+        out[f"b{batch}_s{seq}"] = {
+            "tokens_per_s": tokens_s,
+            "step_s": t,
+            "mfu_vs_measured_peak": flops / (peak_tflops * 1e12),
+            "mfu_6N_vs_measured_peak": 6 * n_params * tokens_s / (peak_tflops * 1e12),
+        }
     dist.destroy_process_group()
     return out
 
@@ -199,14 +225,21 @@ def bench_grpo_step(model_dir: Path, root: Path, steps: int) -> dict:
     data = make_inputs(root / "inputs").data_path
     model = str(model_dir)
     overrides = [
-        "cluster.num_nodes=1", "cluster.num_gpus_per_node=1",
+        "cluster.num_nodes=1",
+        "cluster.num_gpus_per_node=1",
         "cluster.component_placement={rollout:0,inference:0,actor:0,reward:0}",
-        f"actor.model.model_path={model}", f"rollout.model.model_path={model}",
-        f"inference.model.model_path={model}", f"data.train_data_paths=[{data}]",
-        f"runner.output_dir={root / 'runs'}", f"runner.experiment_name=bench-{int(time.time())}",
-        f"runner.max_steps={steps}", f"runner.save_interval={steps}",
-        "rollout.validate_weight=false", "algorithm.logprob_forward_micro_batch_size=16",
-        "runner.enable_dynamic_batch_size=true", "runner.max_tokens_per_mbs=4096",
+        f"actor.model.model_path={model}",
+        f"rollout.model.model_path={model}",
+        f"inference.model.model_path={model}",
+        f"data.train_data_paths=[{data}]",
+        f"runner.output_dir={root / 'runs'}",
+        f"runner.experiment_name=bench-{int(time.time())}",
+        f"runner.max_steps={steps}",
+        f"runner.save_interval={steps}",
+        "rollout.validate_weight=false",
+        "algorithm.logprob_forward_micro_batch_size=16",
+        "runner.enable_dynamic_batch_size=true",
+        "runner.max_tokens_per_mbs=4096",
     ]
     cfg = load_config(overrides=overrides)
     t0 = time.perf_counter()
@@ -218,12 +251,16 @@ def bench_grpo_step(model_dir: Path, root: Path, steps: int) -> dict:
         report = handle.result(timeout=900)
     later = results[1:] or results
     stages = {k: statistics.median(r.timings[k] for r in later) for k in later[0].timings}
-    return {"steps": steps, "verification_passed": report.passed,
-            "verification_errors": report.errors[:5], "median_stage_s": stages,
-            "startup_plus_first_step_s": startup_and_first,
-            "first_step_s": first.timings["time/step"],
-            "startup_s": startup_and_first - first.timings["time/step"],
-            "metrics_last": results[-1].metrics}
+    return {
+        "steps": steps,
+        "verification_passed": report.passed,
+        "verification_errors": report.errors[:5],
+        "median_stage_s": stages,
+        "startup_plus_first_step_s": startup_and_first,
+        "first_step_s": first.timings["time/step"],
+        "startup_s": startup_and_first - first.timings["time/step"],
+        "metrics_last": results[-1].metrics,
+    }
 
 
 def main() -> None:
@@ -237,9 +274,12 @@ def main() -> None:
 
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
-    results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                     "transformers": transformers.__version__,
-                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    results: dict = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     results["bf16_matmul_tflops"] = matmul_tflops()
     model_dir = make_model_dir(root)
     sections = {
@@ -253,8 +293,10 @@ def main() -> None:
         try:
             results[name] = sections[name]()
         except Exception as exc:
-            results[name] = {"error": f"{type(exc).__name__}: {exc}",
-                             "traceback": traceback.format_exc()[-3000:]}
+            results[name] = {
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
         results[name]["section_s"] = time.perf_counter() - start
         gc.collect()  # FSDP modules hold reference cycles: free each section's GPU memory
         torch.cuda.empty_cache()

@@ -1,9 +1,9 @@
 """rlinf_twoworker: GRPO training across several Ray nodes, as one library call.
 
-    handle = run_grpo_two_worker(cfg)
-    ray.get(handle.step(1))
-    ray.get(handle.checkpoint(2))
-    report = handle.result()
+handle = run_grpo_two_worker(cfg)
+ray.get(handle.step(1))
+ray.get(handle.checkpoint(2))
+report = handle.result()
 """
 
 from rlinf_twoworker.config import GRPOConfig, load_config
@@ -20,9 +20,19 @@ from rlinf_twoworker.errors import (
 )
 
 __all__ = [
-    "ClusterError", "ComponentError", "ConfigError", "GRPOConfig", "PlacementError",
-    "PreflightError", "RunCancelledError", "RunDirError", "RunHandle", "TwoWorkerError",
-    "VerificationError", "load_config", "run_grpo_two_worker",
+    "ClusterError",
+    "ComponentError",
+    "ConfigError",
+    "GRPOConfig",
+    "PlacementError",
+    "PreflightError",
+    "RunCancelledError",
+    "RunDirError",
+    "RunHandle",
+    "TwoWorkerError",
+    "VerificationError",
+    "load_config",
+    "run_grpo_two_worker",
 ]
 __version__ = "0.1.0"
 

@@ -378,7 +378,12 @@ finally:
 def test_a_driver_on_a_node_without_gpus_is_told_at_once(tmp_path):
     """Bundle 0 is pinned to the Driver's node: without GPUs there, say so instead of
     waiting for the placement timeout."""
-    done = subprocess.run([sys.executable, "-c", DRIVER_WITHOUT_GPUS], capture_output=True,
-                          text=True, timeout=180, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER_WITHOUT_GPUS],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
     assert "ClusterError: this node (the Driver's" in done.stdout, done.stdout + done.stderr
     assert "has 0 GPU(s)" in done.stdout

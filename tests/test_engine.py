@@ -227,11 +227,21 @@ def _final_weights(run_dir: Path, step: int, tmp: Path) -> dict[str, torch.Tenso
 
 def test_dynamic_batch_size_gives_the_same_update(cluster_2x2, inputs, tmp_path):
     """Token-budget micro-batches change how rows are grouped, never the update itself."""
-    common = ["runner.max_steps=1", "runner.save_interval=1", "actor.optim.lr=1e-3",
-              "algorithm.n_minibatches=2"]
-    runs = {"fixed": common,
-            "dynamic": [*common, "runner.enable_dynamic_batch_size=true",
-                        "runner.max_tokens_per_mbs=400", "runner.save_full_weights=true"]}
+    common = [
+        "runner.max_steps=1",
+        "runner.save_interval=1",
+        "actor.optim.lr=1e-3",
+        "algorithm.n_minibatches=2",
+    ]
+    runs = {
+        "fixed": common,
+        "dynamic": [
+            *common,
+            "runner.enable_dynamic_batch_size=true",
+            "runner.max_tokens_per_mbs=400",
+            "runner.save_full_weights=true",
+        ],
+    }
     weights = {}
     for name, overrides in runs.items():
         handle = run_grpo_two_worker(demo_config(inputs, tmp_path, name, overrides))

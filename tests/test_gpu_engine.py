@@ -32,8 +32,9 @@ print("RESULT=" + json.dumps({"passed": report.passed, "errors": report.errors,
 
 @pytest.mark.gpu
 def test_colocated_run_on_one_gpu(tmp_path):
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=900
+    )
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT=")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(lines[-1].removeprefix("RESULT="))

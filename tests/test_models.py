@@ -16,8 +16,9 @@ from rlinf_twoworker.rollout import left_pad, response_mask
 def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path):
     inputs = make_inputs(tmp_path)
     config = inputs.model_path / "config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()),
-                                  "architectures": ["BertModel"]}))
+    config.write_text(
+        json.dumps({**json.loads(config.read_text()), "architectures": ["BertModel"]})
+    )
     with pytest.raises(TwoWorkerError, match=r"is \['BertModel'\], not a causal LM"):
         load_causal_lm(inputs.model_path, torch.float32, torch.device("cpu"))
     with pytest.raises(TwoWorkerError, match="has no config.json"):

@@ -27,14 +27,20 @@ def test_greedy_tokens_equal_generate(tiny, device):
     model = load_causal_lm(tiny, torch.float32, torch.device(device)).eval()
     tokenizer = load_tokenizer(tiny)
     ids, mask = left_pad(_prompts(tokenizer), tokenizer.pad_token_id, width=24)
-    ref = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                         do_sample=False, max_new_tokens=30, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:].cpu()
+    ref = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        do_sample=False,
+        max_new_tokens=30,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )[:, ids.shape[1] :].cpu()
     sampler = StaticSampler(model, ids.shape[0], ids.shape[1] + 30)
     settings = SamplingSettings(do_sample=False)
     for _ in range(2):  # the second call replays the captured graph on CUDA
-        out = sampler.generate(ids, mask, 30, [tokenizer.eos_token_id],
-                               tokenizer.pad_token_id, settings)
+        out = sampler.generate(
+            ids, mask, 30, [tokenizer.eos_token_id], tokenizer.pad_token_id, settings
+        )
         assert torch.equal(out, ref[:, : out.shape[1]])
         assert out.shape[1] == ref.shape[1]
 
@@ -44,16 +50,22 @@ def test_stops_at_eos_and_pads_after_it(tiny):
     tokenizer = load_tokenizer(tiny)
     ids, mask = left_pad(_prompts(tokenizer), tokenizer.pad_token_id)
     greedy = StaticSampler(model, 4, ids.shape[1] + 12).generate(
-        ids, mask, 12, [tokenizer.eos_token_id], tokenizer.pad_token_id,
-        SamplingSettings(do_sample=False))
+        ids,
+        mask,
+        12,
+        [tokenizer.eos_token_id],
+        tokenizer.pad_token_id,
+        SamplingSettings(do_sample=False),
+    )
     # Declare the token each row emits third an EOS: every row must end there, padded after.
     eos = sorted({int(t) for t in greedy[:, 2]})
     out = StaticSampler(model, 4, ids.shape[1] + 12).generate(
-        ids, mask, 12, eos, tokenizer.pad_token_id, SamplingSettings(do_sample=False))
+        ids, mask, 12, eos, tokenizer.pad_token_id, SamplingSettings(do_sample=False)
+    )
     for row in out:
         first = next(i for i, t in enumerate(row.tolist()) if t in eos)
         assert first <= 2
-        assert all(t == tokenizer.pad_token_id for t in row[first + 1:].tolist())
+        assert all(t == tokenizer.pad_token_id for t in row[first + 1 :].tolist())
 
 
 def test_sampling_matches_the_model_distribution(tiny):
