@@ -178,6 +178,7 @@ class RunController:
             data.prompt_key,
             data.answer_key,
             data.skip_malformed_lines,
+            lambda note: self.log.info(f"DATA_WARNING {note}"),
         )
         self.group = ComponentGroup(
             cfg, self.run_id, placement, self.pg, self.classes, bundle_nodes=places

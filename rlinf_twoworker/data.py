@@ -91,6 +91,7 @@ def load_jsonl(
     prompt_key: str = "prompt",
     answer_key: str = "solutions",
     skip_malformed: bool = False,
+    log: Callable[[str], None] | None = None,
 ) -> list[Sample]:
     """All samples of the given AReaL-boba JSONL files, in file then line order.
 
@@ -105,12 +106,11 @@ def load_jsonl(
         samples.extend(got)
         skipped.extend(bad)
     if skipped:
-        logger.warning(
-            "skipped %d malformed line(s) in %s (data.skip_malformed_lines=true); first: %s",
-            len(skipped),
-            list(paths),
-            skipped[0],
+        note = (
+            f"skipped {len(skipped)} malformed line(s) in {list(paths)} "
+            f"(data.skip_malformed_lines=true); first: {skipped[0]}"
         )
+        (log or logger.warning)(note)
     if not samples:
         raise DataError(
             f"no samples in {list(paths)}: the files hold no valid lines; check "

@@ -80,6 +80,9 @@ def test_skip_mode_skips_and_counts(tmp_path, caplog):
     assert [s.prompt for s in samples] == ["p", "q"]
     assert "skipped 2 malformed line(s)" in caplog.text
     assert f"{path}:1:" in caplog.text
+    notes: list[str] = []  # the run passes its own log, so the count lands in log/main.log
+    load_jsonl([path], skip_malformed=True, log=notes.append)
+    assert len(notes) == 1 and notes[0].startswith("skipped 2 malformed line(s)")
 
 
 def test_empty_or_missing_data_is_an_error(tmp_path):
