@@ -173,7 +173,9 @@ def _train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, ids: torch
     optim.zero_grad(set_to_none=True)
 
 
-def bench_actor(model_dir: Path, peak_tflops: float, quick: bool) -> dict:
+def fsdp_model(model_dir: Path, activation_checkpointing: bool) -> torch.nn.Module:
+    """The actor's setup on one GPU: fp32 master weights, FSDP2 with bf16 params and fp32
+    gradient reduction (a one-rank process group)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -185,13 +187,21 @@ def bench_actor(model_dir: Path, peak_tflops: float, quick: bool) -> dict:
     if not dist.is_initialized():
         dist.init_process_group("nccl", rank=0, world_size=1)
     model = load_causal_lm(model_dir, torch.float32, torch.device("cuda"))
-    model.gradient_checkpointing_enable()
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable()
     model.config.use_cache = False
     mesh = init_device_mesh("cuda", (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def bench_actor(model_dir: Path, peak_tflops: float, quick: bool) -> dict:
+    import torch.distributed as dist
+
+    model = fsdp_model(model_dir, activation_checkpointing=True)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     n_params = sum(p.numel() for p in model.parameters())
     out = {"params": n_params}

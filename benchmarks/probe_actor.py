@@ -5,32 +5,21 @@ python benchmarks/probe_actor.py MODEL_DIR
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 
 def main(model_dir: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from bench_gpu import fsdp_model
 
     from rlinf_twoworker.algorithm import ppo_clip_loss
-    from rlinf_twoworker.models import SequenceBatch, load_causal_lm, response_logprobs
+    from rlinf_twoworker.models import SequenceBatch, response_logprobs
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29571")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    model = load_causal_lm(model_dir, torch.float32, torch.device("cuda"))
-    model.config.use_cache = False
-    mesh = init_device_mesh("cuda", (1,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model = fsdp_model(Path(model_dir), activation_checkpointing=False)
 
     def run(rows: int, with_mask: bool, engine_loss: bool) -> float:
         ids = torch.randint(100, 150000, (rows, 1024), device="cuda")
