@@ -96,8 +96,8 @@ async def check_weights(group: ComponentGroup, dtype: str, timeout: float) -> No
 
     consumers = [group.one("rollout"), group.one("inference")]
     members = [*group.actors(), *consumers]
-    digests = await _gather_methods(
-        group, members, ["weights_digest"] * len(members), (dtype,), timeout, "weight check"
+    digests = await group.call_each(
+        members, "weights_digest", dtype, timeout=timeout, stage="weight check"
     )
     expected = digests[0]
     for member, digest in zip(consumers, digests[len(group.actors()) :]):
