@@ -23,3 +23,26 @@ class MetricsWriter:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def event_files(run_dir: str | Path) -> list[Path]:
+    """The run's TensorBoard event files, in name order."""
+    directory = Path(run_dir) / TENSORBOARD_DIR
+    return sorted(p for p in directory.rglob("events.out.tfevents.*") if p.is_file())
+
+
+def read_scalars(files: list[Path]) -> dict[str, dict[int, float]]:
+    """Tag -> step -> value of every scalar in `files`; a step logged twice keeps the value
+    with the newest wall time (a resumed run may log a step again)."""
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    newest: dict[str, dict[int, tuple[float, float]]] = {}
+    for path in files:
+        accumulator = EventAccumulator(str(path), size_guidance={SCALARS: 0})
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            steps = newest.setdefault(tag, {})
+            for event in accumulator.Scalars(tag):
+                if event.step not in steps or steps[event.step][0] <= event.wall_time:
+                    steps[event.step] = (event.wall_time, float(event.value))
+    return {tag: {s: v for s, (_, v) in sorted(steps.items())} for tag, steps in newest.items()}

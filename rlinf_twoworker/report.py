@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rlinf_twoworker.errors import TwoWorkerError
+from rlinf_twoworker.metrics import event_files, read_scalars
 from rlinf_twoworker.rundir import DRIVER_LOG, TENSORBOARD_DIR
 
 REWARD = "rollout/reward_scores"
@@ -51,25 +52,13 @@ Scalars = dict[str, dict[int, float]]
 
 def load_scalars(run_dir: str | Path) -> Scalars:
     """Every scalar of the run's event files; a step logged twice keeps the newest value."""
-    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
-
-    directory = Path(run_dir) / TENSORBOARD_DIR
-    files = sorted(p for p in directory.rglob("events.out.tfevents.*") if p.is_file())
+    files = event_files(run_dir)
     if not files:
         raise TwoWorkerError(
-            f"{directory} holds no events.out.tfevents.* file: the run has not finished a step "
-            "yet, or this is not a run directory"
+            f"{Path(run_dir) / TENSORBOARD_DIR} holds no events.out.tfevents.* file: the run "
+            "has not finished a step yet, or this is not a run directory"
         )
-    newest: dict[str, dict[int, tuple[float, float]]] = {}
-    for path in files:
-        accumulator = EventAccumulator(str(path), size_guidance={SCALARS: 0})
-        accumulator.Reload()
-        for tag in accumulator.Tags()["scalars"]:
-            steps = newest.setdefault(tag, {})
-            for event in accumulator.Scalars(tag):
-                if event.step not in steps or steps[event.step][0] <= event.wall_time:
-                    steps[event.step] = (event.wall_time, float(event.value))
-    return {tag: {s: v for s, (_, v) in sorted(steps.items())} for tag, steps in newest.items()}
+    return read_scalars(files)
 
 
 def table(scalars: Scalars) -> str:

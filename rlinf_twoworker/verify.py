@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlinf_twoworker.errors import VerificationError
+from rlinf_twoworker.metrics import event_files, read_scalars
 from rlinf_twoworker.placement import COMPONENTS, parse_ranks
 from rlinf_twoworker.rundir import (
     CONFIG_YAML,
@@ -242,34 +243,15 @@ def _resolved_placement(spec: Any, gpus_per_node: Any) -> dict:
     return resolved
 
 
-def _load_scalars(event_files: list[Path]) -> dict[str, dict[int, tuple[float, float]]]:
-    """Tag -> step -> (wall_time, value); a step logged twice keeps the newest value."""
-    from tensorboard.backend.event_processing.event_accumulator import (
-        SCALARS,
-        EventAccumulator,
-    )
-
-    scalars: dict[str, dict[int, tuple[float, float]]] = {}
-    for path in event_files:
-        accumulator = EventAccumulator(str(path), size_guidance={SCALARS: 0})
-        accumulator.Reload()
-        for tag in accumulator.Tags()["scalars"]:
-            steps = scalars.setdefault(tag, {})
-            for event in accumulator.Scalars(tag):
-                if event.step not in steps or steps[event.step][0] <= event.wall_time:
-                    steps[event.step] = (event.wall_time, float(event.value))
-    return scalars
-
-
 def _check_metrics(run_dir: Path, report: VerificationReport) -> list[str]:
     directory = run_dir / TENSORBOARD_DIR
-    files = sorted(p for p in directory.rglob("events.out.tfevents.*") if p.is_file())
+    files = event_files(run_dir)
     if not files:
         return [
             f"{directory} holds no events.out.tfevents.* file; the run logged no metrics "
             "(RLinf logs nothing for the final step, so a run needs >= 2 steps)"
         ]
-    scalars = _load_scalars(files)
+    scalars = read_scalars(files)
     errors = []
     for tag in REQUIRED_SCALARS:
         if not scalars.get(tag):
@@ -279,7 +261,7 @@ def _check_metrics(run_dir: Path, report: VerificationReport) -> list[str]:
             )
             continue
         steps = sorted(scalars[tag])
-        values = [scalars[tag][s][1] for s in steps]
+        values = [scalars[tag][s] for s in steps]
         report.metrics[tag] = {"step": steps[-1], "value": values[-1], "steps": steps}
         bad = [(s, v) for s, v in zip(steps, values, strict=True) if not math.isfinite(v)]
         if bad:
