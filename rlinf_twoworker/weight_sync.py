@@ -179,11 +179,6 @@ def import_weights(
     return received
 
 
-def state_digest(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full parameters on the CPU (for tests and debugging; a collective on FSDP models)."""
-    return {name: _full(p).detach().float().cpu().clone() for name, p in model.named_parameters()}
-
-
 @torch.no_grad()
 def weights_digest(model: torch.nn.Module, dtype: torch.dtype) -> str:
     """SHA-256 of every full parameter in `dtype`, in parameter order (a collective on FSDP

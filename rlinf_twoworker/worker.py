@@ -111,10 +111,6 @@ class Worker:
     def ping(self) -> bool:
         return True
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """Full parameters on the CPU (a collective on the actor's ranks)."""
-        return weight_sync.state_digest(self.model)
-
     def weights_digest(self, sync_dtype: str) -> str:
         """SHA-256 of the full parameters in the sync dtype (a collective on the actor's ranks)."""
         return weight_sync.weights_digest(self.model, getattr(torch, sync_dtype))
