@@ -14,15 +14,14 @@ import torch
 from rlinf_twoworker.algorithm import group_advantages
 from rlinf_twoworker.components import ComponentGroup, gather_fail_fast
 from rlinf_twoworker.config import GRPOConfig
-from rlinf_twoworker.models import SequenceBatch
+from rlinf_twoworker.models import SequenceBatch, dtype_for
 from rlinf_twoworker.results import StepResult
 
 
 def sync_dtype(cfg: GRPOConfig) -> str:
     """Weights travel in the rollout's dtype (bf16 on GPUs by default, fp32 on CPUs)."""
-    if cfg.cluster.accelerator == "cpu":
-        return "float32"
-    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.rollout.model.precision]
+    device = torch.device(cfg.cluster.accelerator)  # only its type matters to dtype_for
+    return str(dtype_for(cfg.rollout.model.precision, device)).removeprefix("torch.")
 
 
 def split_for_actors(

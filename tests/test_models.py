@@ -34,3 +34,15 @@ def test_left_padding_positions_and_response_mask():
     batch = SequenceBatch(torch.cat([ids, responses], 1), torch.cat([mask, resp], 1), resp, 3)
     assert batch.position_ids[1].tolist()[:4] == [0, 0, 0, 1]  # real tokens count from 0
     assert batch.responses.tolist() == responses.tolist()
+
+
+def test_weights_travel_in_the_rollouts_dtype():
+    from rlinf_twoworker.config import load_config, to_typed
+    from rlinf_twoworker.grpo_step import sync_dtype
+
+    def dtype(*overrides: str) -> str:
+        return sync_dtype(to_typed(load_config(overrides=overrides)))
+
+    assert dtype() == "bfloat16"  # the rollout's default precision on GPUs
+    assert dtype("rollout.model.precision=fp16") == "float16"
+    assert dtype("cluster.accelerator=cpu") == "float32"  # CPUs always run fp32
