@@ -6,7 +6,10 @@ Sections (each a median of several timed runs after warm-up, CUDA-synchronised):
   rollout    decode tokens/s of transformers' generate vs the library's static sampler
   inference  log-prob recompute tokens/s (bf16, micro-batched)
   actor      FSDP2 training tokens/s and MFU (bf16 params, fp32 reduce, fused AdamW)
+  weight_sync  the library's bucketed NCCL broadcast between two GPUs (two processes)
   grpo_step  full colocated GRPO steps of the starting config through run_grpo_two_worker
+  grpo_step_2gpu  the same on two one-GPU Ray nodes (actor + inference | rollout + reward)
+  trl        TRL's GRPOTrainer on the same model, prompts and lengths (bench_trl.py, own process)
 The model is the DeepSeek-R1-Distill-Qwen-1.5B shape (Qwen2, random weights) saved to a local
 directory, so the library's real loading code runs. Timing lives here, never in tests.
 """
@@ -19,7 +22,9 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -224,7 +229,101 @@ def bench_actor(model_dir: Path, peak_tflops: float, quick: bool) -> dict:
     return out
 
 
-def bench_grpo_step(model_dir: Path, root: Path, steps: int) -> dict:
+def _sync_worker(rank: int, model_dir: str, port: int, out_dir: str, repeats: int) -> None:
+    """One process per GPU: rank 0 is the actor side, rank 1 a consumer (gloo on CPU, where
+    only the script itself is being checked)."""
+    import torch.distributed as dist
+
+    from rlinf_twoworker.models import load_causal_lm
+    from rlinf_twoworker.weight_sync import (
+        new_sync_groups,
+        receive_weights,
+        send_weights,
+        weights_digest,
+    )
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+    )
+    device = torch.device("cuda" if cuda else "cpu")
+    model = load_causal_lm(Path(model_dir), torch.bfloat16, device).eval()
+    if rank == 1:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.zero_()  # the consumer must end up with the source's weights
+    groups = new_sync_groups([0], [1])
+    move = send_weights if rank == 0 else receive_weights
+    nbytes = move(model, groups, torch.bfloat16)  # warm-up: communicator set-up
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        move(model, groups, torch.bfloat16)
+        sync()
+        times.append(time.perf_counter() - start)
+    result = {"bytes": nbytes, "times_s": times, "digest": weights_digest(model, torch.bfloat16)}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def bench_weight_sync(model_dir: Path) -> dict:
+    import torch.multiprocessing as mp
+
+    from rlinf_twoworker.worker import free_port
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        return {"skipped": f"needs 2 GPUs, this machine has {torch.cuda.device_count()}"}
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port("127.0.0.1")
+        mp.start_processes(
+            _sync_worker, args=(str(model_dir), port, tmp, 5), nprocs=2, start_method="spawn"
+        )
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2)]
+    t = statistics.median(ranks[1]["times_s"])
+    return {
+        "path": "bucketed broadcast, GPU 0 -> GPU 1 (library send_weights/receive_weights)",
+        "bytes": ranks[1]["bytes"],
+        "median_s": t,
+        "gb_per_s": ranks[1]["bytes"] / t / 1e9,
+        "times_s": ranks[1]["times_s"],
+        "weights_identical_after_sync": ranks[0]["digest"] == ranks[1]["digest"],
+    }
+
+
+def bench_trl(model_dir: Path, root: Path) -> dict:
+    from rlinf_twoworker.demo import make_inputs
+
+    data = make_inputs(root / "inputs").data_path
+    out = root / "trl.json"
+    script = Path(__file__).with_name("bench_trl.py")
+    cmd = [sys.executable, str(script), "--model", str(model_dir), "--data", str(data)]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out), "--workdir", str(root / "trl")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if proc.returncode != 0:
+        return {"error": f"bench_trl.py exited {proc.returncode}", "log": proc.stderr[-3000:]}
+    return json.loads(out.read_text())
+
+
+TOPOLOGIES = {
+    # name: (nodes, GPUs per node, component placement)
+    "colocated": (1, 1, "{rollout:0,inference:0,actor:0,reward:0}"),
+    "2gpu": (2, 1, "{rollout:0,reward:0,inference:1,actor:1}"),
+}
+
+
+def bench_grpo_step(model_dir: Path, root: Path, steps: int, topology: str = "colocated") -> dict:
     import ray
 
     from rlinf_twoworker.config import load_config
@@ -232,12 +331,15 @@ def bench_grpo_step(model_dir: Path, root: Path, steps: int) -> dict:
     from rlinf_twoworker.handle import run_grpo_two_worker
     from rlinf_twoworker.local import LocalCluster
 
+    nodes, gpus, placement = TOPOLOGIES[topology]
+    if torch.cuda.device_count() < nodes * gpus:
+        return {"skipped": f"needs {nodes * gpus} GPUs, found {torch.cuda.device_count()}"}
     data = make_inputs(root / "inputs").data_path
     model = str(model_dir)
     overrides = [
-        "cluster.num_nodes=1",
-        "cluster.num_gpus_per_node=1",
-        "cluster.component_placement={rollout:0,inference:0,actor:0,reward:0}",
+        f"cluster.num_nodes={nodes}",
+        f"cluster.num_gpus_per_node={gpus}",
+        f"cluster.component_placement={placement}",
         f"actor.model.model_path={model}",
         f"rollout.model.model_path={model}",
         f"inference.model.model_path={model}",
@@ -253,7 +355,7 @@ def bench_grpo_step(model_dir: Path, root: Path, steps: int) -> dict:
     ]
     cfg = load_config(overrides=overrides)
     t0 = time.perf_counter()
-    with LocalCluster(num_nodes=1, gpus_per_node=1):
+    with LocalCluster(num_nodes=nodes, gpus_per_node=gpus):
         handle = run_grpo_two_worker(cfg)
         first = ray.get(handle.step(1), timeout=900)
         startup_and_first = time.perf_counter() - t0
@@ -262,6 +364,7 @@ def bench_grpo_step(model_dir: Path, root: Path, steps: int) -> dict:
     later = results[1:] or results
     stages = {k: statistics.median(r.timings[k] for r in later) for k in later[0].timings}
     return {
+        "topology": f"{nodes} node(s) x {gpus} GPU(s), component_placement={placement}",
         "steps": steps,
         "verification_passed": report.passed,
         "verification_errors": report.errors[:5],
@@ -278,7 +381,9 @@ def main() -> None:
     parser.add_argument("--out", default="bench_results.json")
     parser.add_argument("--root", default="/tmp/rlinf-bench")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sections", default="rollout,inference,actor,grpo_step")
+    parser.add_argument(
+        "--sections", default="rollout,inference,actor,weight_sync,grpo_step,grpo_step_2gpu,trl"
+    )
     args = parser.parse_args()
     import transformers
 
@@ -296,7 +401,10 @@ def main() -> None:
         "rollout": lambda: bench_rollout(model_dir, args.quick),
         "inference": lambda: bench_inference(model_dir),
         "actor": lambda: bench_actor(model_dir, results["bf16_matmul_tflops"], args.quick),
+        "weight_sync": lambda: bench_weight_sync(model_dir),
         "grpo_step": lambda: bench_grpo_step(model_dir, root, 3),
+        "grpo_step_2gpu": lambda: bench_grpo_step(model_dir, root, 3, "2gpu"),
+        "trl": lambda: bench_trl(model_dir, root),
     }
     for name in args.sections.split(","):
         start = time.perf_counter()

@@ -1,11 +1,15 @@
 """A static-KV-cache sampler for Qwen2/Llama-family models, with CUDA-graph decode on GPUs.
 
 `transformers`' `generate` is bound by Python and kernel-launch overhead at RL batch sizes. This
-sampler reuses the loaded model's own modules (projections, norms, MLPs, rotary embedding) but
-runs its own loop: the KV cache is preallocated for prompt + answer, every decode step has the
-same shapes, and on CUDA one decode step is captured once as a CUDA graph and replayed. Sampling
-(temperature, top-k, top-p) stays on the GPU. Exactness: greedy decoding gives the same tokens
-as `generate` (tested), sampling draws from the same filtered distribution.
+sampler reuses the loaded model's own weights and rotary embedding but runs its own loop: the KV
+cache is preallocated for prompt + answer, every decode step has the same shapes, and on CUDA one
+decode step (token bookkeeping included) is captured once as a CUDA graph and replayed. A decode
+step is small-batch and bound by reading the weights, so it is built from few kernels: the q/k/v
+and gate/up projections run as one GEMM each (`fuse_projections`), decode attention reads the
+grouped KV cache in place (no per-head copies) and on GPUs the elementwise pieces (residual +
+RMSNorm, rotary, masked softmax, SwiGLU) are fused by `torch.compile`. Sampling (temperature,
+top-k, top-p) stays on the GPU. Exactness: greedy decoding gives the same tokens as `generate`
+(tested), sampling draws from the same filtered distribution.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ def supports(model: torch.nn.Module) -> bool:
     return type(model).__name__ in SUPPORTED
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingSettings:
     do_sample: bool = True
     temperature: float = 1.0
@@ -43,14 +47,77 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    """Residual add then RMSNorm: (x + delta, norm(x + delta)), one fused kernel when compiled."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def split_rope(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused q/k/v projection output [B, T, (H + 2 KV) D] -> rotated q [B, H, T, D], k, v."""
+    b, t, _ = qkv.shape
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q = q.view(b, t, heads, dim).transpose(1, 2)
+    k = k.view(b, t, kv_heads, dim).transpose(1, 2)
+    v = v.view(b, t, kv_heads, dim).transpose(1, 2)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+def masked_softmax(scores: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention probabilities in float32 (as transformers' eager attention), cast back."""
+    return (scores.float() * scale + bias).softmax(-1).to(scores.dtype)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def _fuse(linears: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
+    """One tensor holding the linears' `attr` (weight or bias) back to back, the parameters
+    rebound as views of it: in-place updates of a parameter (weight sync, load_state_dict)
+    write straight into the fused tensor, and no weight is stored twice."""
+    parts = [getattr(lin, attr) for lin in linears]
+    if any(p is None for p in parts):
+        return None
+    fused = torch.cat([p.detach() for p in parts])
+    offset = 0
+    for part in parts:
+        part.data = fused[offset : offset + part.shape[0]]
+        offset += part.shape[0]
+    return fused
+
+
+@dataclass
+class FusedLayer:
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    gate_up_weight: torch.Tensor | None  # None: not a gate/up SiLU MLP, call the module
+
+
+def fuse_projections(model: torch.nn.Module) -> list[FusedLayer]:
+    """Fused q/k/v (and gate/up) projection weights of every decoder layer; idempotent."""
+    fused = getattr(model, "_rlinf_fused_projections", None)
+    if fused is not None and all(
+        f.qkv_weight.data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
+        for f, layer in zip(fused, model.model.layers)
+    ):
+        return fused
+    silu = getattr(model.config, "hidden_act", "silu") == "silu"
+    fused = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        gate_up = None
+        if silu and getattr(mlp.gate_proj, "bias", None) is None:
+            gate_up = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
+        fused.append(FusedLayer(_fuse(qkv, "weight"), _fuse(qkv, "bias"), gate_up))
+    model._rlinf_fused_projections = fused
+    return fused
 
 
 def pick_tokens(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
@@ -80,71 +147,104 @@ class StaticSampler:
         self.model, self.batch, self.max_len = model, batch, max_len
         cfg = model.config
         self.layers = model.model.layers
+        self.fused = fuse_projections(model)
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.scale = self.head_dim**-0.5
         p = next(model.parameters())
+        dev = p.device
         shape = (len(self.layers), batch, self.kv_heads, max_len, self.head_dim)
-        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=p.device)
+        self.k = torch.zeros(shape, dtype=p.dtype, device=dev)
+        self.v = torch.zeros(shape, dtype=p.dtype, device=dev)
         # Persistent decode state: a captured graph reads and writes exactly these buffers.
-        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=p.device)
-        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=p.device)
-        self.col = torch.zeros(1, dtype=torch.long, device=p.device)
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=dev)
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.col = torch.zeros(1, dtype=torch.long, device=dev)
+        self.step = torch.zeros(1, dtype=torch.long, device=dev)
+        self.done = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.out = torch.zeros(batch, max_len, dtype=torch.long, device=dev)
+        self.pad = torch.zeros((), dtype=torch.long, device=dev)
+        self.eos = torch.zeros(0, dtype=torch.long, device=dev)
+        self.eos_ids: tuple[int, ...] = ()
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.graph_settings: SamplingSettings | None = None
-        self.silu_mlp = getattr(cfg, "hidden_act", "silu") == "silu"
-        # A decode step is a thousand tiny kernels; on GPUs the elementwise pieces (norms,
-        # rotary, SwiGLU) are compiled into fused kernels, which the CUDA graph then replays.
-        self.compiled = p.device.type == "cuda" and os.environ.get("RLINF_SAMPLER_COMPILE") != "0"
+        self.graph_key: tuple | None = None
+        # A decode step is hundreds of tiny kernels; on GPUs the elementwise pieces are compiled
+        # into fused kernels, which the CUDA graph then replays.
+        self.compiled = dev.type == "cuda" and os.environ.get("RLINF_SAMPLER_COMPILE") != "0"
         self._set_kernels(self.compiled)
+
+    def _state(self) -> tuple[torch.Tensor, ...]:
+        return (self.tok, self.pos, self.col, self.step, self.done, self.out, self.valid)
 
     def _set_kernels(self, compiled: bool) -> None:
         self.compiled = compiled
         wrap = (lambda f: torch.compile(f, dynamic=False)) if compiled else (lambda f: f)
-        self.norm, self.rope, self.swiglu = wrap(rms_norm), wrap(rope), wrap(swiglu)
+        self.norm, self.add_norm = wrap(rms_norm), wrap(add_rms_norm)
+        self.split_rope, self.softmax, self.swiglu = (
+            wrap(split_rope),
+            wrap(masked_softmax),
+            wrap(swiglu),
+        )
 
-    def _attend(
+    def _residual_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if delta is None:
+            return x, self.norm(x, norm.weight, norm.variance_epsilon)
+        return self.add_norm(x, delta, norm.weight, norm.variance_epsilon)
+
+    def _attention(
         self,
-        layer: torch.nn.Module,
         index: int,
-        x: torch.Tensor,
+        h: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
         cols: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """One attention block for tokens at cache columns `cols` ([T]); mask [B,1,T,S]."""
-        attn = layer.self_attn
-        b, t, _ = x.shape
-        norm = layer.input_layernorm
-        h = self.norm(x, norm.weight, norm.variance_epsilon)
-        q = attn.q_proj(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = self.rope(q, k, *rotary)
-        self.k[index].index_copy_(2, cols, k)
-        self.v[index].index_copy_(2, cols, v)
-        out = F.scaled_dot_product_attention(
-            q, self.k[index], self.v[index], attn_mask=mask, enable_gqa=self.kv_heads != self.heads
-        )
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-        norm = layer.post_attention_layernorm
-        h = self.norm(x, norm.weight, norm.variance_epsilon)
-        mlp = layer.mlp
-        if not self.silu_mlp:
-            return x + mlp(h)
-        return x + mlp.down_proj(self.swiglu(mlp.gate_proj(h), mlp.up_proj(h)))
+        """Attention of tokens at cache columns `cols` ([T]); `mask` [B,1,T,S] for a prefill,
+        None for a decode step (then `self.bias` masks the keys)."""
+        fused = self.fused[index]
+        b, t, _ = h.shape
+        qkv = F.linear(h, fused.qkv_weight, fused.qkv_bias)
+        q, k, v = self.split_rope(qkv, *rotary, self.heads, self.kv_heads, self.head_dim)
+        keys, values = self.k[index], self.v[index]
+        keys.index_copy_(2, cols, k)
+        values.index_copy_(2, cols, v)
+        if mask is not None:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads
+            )
+            out = out.transpose(1, 2).reshape(b, t, -1)
+        else:
+            # One query per row: group the query heads of each KV head, so the cache is read
+            # where it lies instead of being repeated per query head.
+            q = q.reshape(b, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+            probs = self.softmax(q @ keys.transpose(-1, -2), self.bias, self.scale)
+            out = (probs @ values).reshape(b, 1, -1)
+        return self.layers[index].self_attn.o_proj(out)
+
+    def _mlp(self, index: int, h: torch.Tensor) -> torch.Tensor:
+        mlp, gate_up = self.layers[index].mlp, self.fused[index].gate_up_weight
+        if gate_up is None:
+            return mlp(h)
+        return mlp.down_proj(self.swiglu(F.linear(h, gate_up)))
 
     def _forward(
-        self, ids: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor, mask: torch.Tensor
+        self, ids: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         x = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(x, pos)  # once per step, shared by all layers
         rotary = (cos.unsqueeze(1), sin.unsqueeze(1))
+        delta = None
         for index, layer in enumerate(self.layers):
-            x = self._attend(layer, index, x, rotary, cols, mask)
-        return self.model.lm_head(self.model.model.norm(x[:, -1]))
+            x, h = self._residual_norm(x, delta, layer.input_layernorm)
+            delta = self._attention(index, h, rotary, cols, mask)
+            x, h = self._residual_norm(x, delta, layer.post_attention_layernorm)
+            delta = self._mlp(index, h)
+        _, h = self._residual_norm(x[:, -1], delta[:, -1], self.model.model.norm)
+        return self.model.lm_head(h)
 
     def generate(
         self,
@@ -180,7 +280,6 @@ class StaticSampler:
         pad_id: int,
         s: SamplingSettings,
     ) -> torch.Tensor:
-        """Left-padded prompts [B, P] -> answers [B, <= max_new], padded with pad_id after EOS."""
         b, p = ids.shape
         if b != self.batch or p + max_new > self.max_len:
             raise ValueError(
@@ -200,52 +299,60 @@ class StaticSampler:
         self.tok.copy_(pick_tokens(logits, s).unsqueeze(1))
         self.pos.copy_(pos[:, -1:] + 1)
         self.col.fill_(p)
-        eos = torch.tensor(eos_ids, device=dev)
-        done = torch.zeros(b, dtype=torch.bool, device=dev)
-        out = torch.full((b, max_new), pad_id, dtype=torch.long, device=dev)
-        steps = 0
+        self.step.zero_()
+        self.done.zero_()
+        self.pad.fill_(pad_id)
+        if self.eos_ids != tuple(eos_ids):  # a new tensor: a captured graph must be redone
+            self.eos_ids = tuple(eos_ids)
+            self.eos = torch.tensor(eos_ids, dtype=torch.long, device=dev)
+        steps = max_new
         for step in range(max_new):
-            tok = torch.where(done.unsqueeze(1), torch.full_like(self.tok, pad_id), self.tok)
-            out[:, step] = tok[:, 0]
-            done |= torch.isin(tok[:, 0], eos)
-            steps = step + 1
-            if step == max_new - 1 or (step % 16 == 15 and bool(done.all())):
+            # Emits the current token (pad once a row is done) and decodes the next; the last
+            # decode fills cache column p + max_new - 1, inside the cache.
+            self._step(s)
+            if step % 16 == 15 and step < max_new - 1 and bool(self.done.all()):
+                steps = step + 1
                 break
-            self.tok.copy_(tok)
-            self._decode(s)
-        return out[:, :steps].cpu()
+        return self.out[:, :steps].cpu()
 
-    def _decode_eager(self, s: SamplingSettings) -> None:
+    def _step_eager(self, s: SamplingSettings) -> None:
+        tok = torch.where(self.done.unsqueeze(1), self.pad, self.tok)
+        self.out.index_copy_(1, self.step, tok)
+        self.done |= torch.isin(tok[:, 0], self.eos)
         self.valid.index_fill_(1, self.col, True)
-        mask = self.valid[:, None, None, :]
-        logits = self._forward(self.tok, self.pos, self.col, mask)
+        self.bias = torch.zeros(self.valid.shape, device=self.valid.device).masked_fill(
+            ~self.valid, float("-inf")
+        )[:, None, None, :]
+        logits = self._forward(tok, self.pos, self.col, None)
         self.tok.copy_(pick_tokens(logits, s).unsqueeze(1))
         self.pos.add_(1)
         self.col.add_(1)
+        self.step.add_(1)
 
-    def _decode(self, s: SamplingSettings) -> None:
+    def _step(self, s: SamplingSettings) -> None:
         if self.k.device.type != "cuda":
-            self._decode_eager(s)
+            self._step_eager(s)
             return
-        if self.graph is None or self.graph_settings != s:
-            self._capture(s)
+        key = (s, self.eos_ids)
+        if self.graph is None or self.graph_key != key:
+            self._capture(s, key)
             return  # the capture ran this step
         self.graph.replay()
 
-    def _capture(self, s: SamplingSettings) -> None:
-        # Warm up on a side stream (allocator and kernels), then capture one decode step. The
-        # step reads and writes only persistent buffers, so replays advance the state.
-        snapshot = (self.tok.clone(), self.pos.clone(), self.col.clone(), self.valid.clone())
+    def _capture(self, s: SamplingSettings, key: tuple) -> None:
+        # Warm up on a side stream (allocator and kernels), then capture one step. The step
+        # reads and writes only persistent buffers, so replays advance the state.
+        snapshot = [buf.clone() for buf in self._state()]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._decode_eager(s)
+            self._step_eager(s)
         torch.cuda.current_stream().wait_stream(stream)
-        for buf, saved in zip((self.tok, self.pos, self.col, self.valid), snapshot):
+        for buf, saved in zip(self._state(), snapshot):
             buf.copy_(saved)
-        self.graph, self.graph_settings = torch.cuda.CUDAGraph(), s
+        self.graph, self.graph_key = torch.cuda.CUDAGraph(), key
         with torch.cuda.graph(self.graph):
-            self._decode_eager(s)
-        for buf, saved in zip((self.tok, self.pos, self.col, self.valid), snapshot):
+            self._step_eager(s)
+        for buf, saved in zip(self._state(), snapshot):
             buf.copy_(saved)
         self.graph.replay()

@@ -8,7 +8,13 @@ import torch
 from rlinf_twoworker.demo import make_inputs
 from rlinf_twoworker.models import load_causal_lm, load_tokenizer
 from rlinf_twoworker.rollout import left_pad
-from rlinf_twoworker.sampler import SamplingSettings, StaticSampler, pick_tokens
+from rlinf_twoworker.sampler import (
+    SamplingSettings,
+    StaticSampler,
+    fuse_projections,
+    pick_tokens,
+)
+from rlinf_twoworker.weight_sync import weights_digest
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +49,29 @@ def test_greedy_tokens_equal_generate(tiny, device):
         )
         assert torch.equal(out, ref[:, : out.shape[1]])
         assert out.shape[1] == ref.shape[1]
+
+
+def test_fused_projections_alias_the_parameters(tiny):
+    """Fusing q/k/v and gate/up keeps every parameter's name, shape and value, and a weight
+    written in place afterwards (as weight sync writes) reaches the sampler's fused GEMMs."""
+    model = load_causal_lm(tiny, torch.float32, torch.device("cpu")).eval()
+    tokenizer = load_tokenizer(tiny)
+    before = weights_digest(model, torch.float32)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    sampler = StaticSampler(model, 4, 24 + 16)
+    assert fuse_projections(model) is sampler.fused  # idempotent
+    assert {n: p.shape for n, p in model.named_parameters()} == shapes
+    assert weights_digest(model, torch.float32) == before
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            param.copy_(param + 0.05 * torch.randn(param.shape, generator=generator))
+    ids, mask = left_pad(_prompts(tokenizer), tokenizer.pad_token_id, width=24)
+    out = sampler.generate(ids, mask, 16, [-1], 0, SamplingSettings(do_sample=False))
+    ref = model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0
+    )[:, 24:]
+    assert torch.equal(out, ref)
 
 
 def test_stops_at_eos_and_pads_after_it(tiny):

@@ -1,0 +1,118 @@
+"""The baseline: TRL's GRPOTrainer on the library's full-step workload, in its own process.
+
+    python benchmarks/bench_trl.py --model DIR --data FILE --out trl.json [--cycles 3]
+
+Same model directory, same prompts (the data file's first prompts, shuffled by the trainer),
+the same shape as the starting config: 8 prompts x 2 answers a step, 768 new tokens at most,
+temperature 1.0, four optimiser updates of 4 answers each per generation (TRL's
+per_device_train_batch_size=4, steps_per_generation=4), learning rate 2e-5, no KL term. TRL's
+own defaults otherwise: transformers `generate` for the rollout, float32 weights under bf16
+autocast, gradient checkpointing. One "GRPO step" here is one generation plus its four
+updates, timed from the end of the previous one (CUDA-synchronised). The reward is a substring
+check (cheaper than the library's math-verify grader, which favours TRL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cycles", type=int, default=3)
+    parser.add_argument("--max-new", type=int, default=768)
+    parser.add_argument("--workdir", default="/tmp/rlinf-bench/trl")
+    args = parser.parse_args()
+
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlinf_twoworker.data import load_jsonl
+
+    samples = load_jsonl([args.data])[:64]
+    dataset = Dataset.from_list([{"prompt": s.prompt, "answer": s.solutions[0]} for s in samples])
+
+    def reward(completions: list[str], answer: list[str], **_: object) -> list[float]:
+        return [float(a in c) for c, a in zip(completions, answer)]
+
+    updates_per_generation = 4
+    marks: list[float] = []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *_: object, **__: object) -> None:
+            sync()
+            marks.append(time.perf_counter())
+
+        def on_step_end(self, _args, state, *__: object, **___: object) -> None:
+            if state.global_step % updates_per_generation == 0:
+                sync()
+                marks.append(time.perf_counter())
+
+    config = GRPOConfig(
+        output_dir=args.workdir,
+        per_device_train_batch_size=4,
+        steps_per_generation=updates_per_generation,
+        num_generations=2,
+        max_completion_length=args.max_new,
+        temperature=1.0,
+        learning_rate=2e-5,
+        beta=0.0,
+        bf16=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),  # a CPU run only checks the script
+        activation_checkpointing=True,
+        use_vllm=False,
+        max_steps=updates_per_generation * args.cycles,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=1234,
+        disable_tqdm=True,
+    )
+    start = time.perf_counter()
+    trainer = GRPOTrainer(
+        model=args.model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        callbacks=[Clock()],
+    )
+    load_s = time.perf_counter() - start
+    trainer.train()
+    cycles = [b - a for a, b in zip(marks, marks[1:])]
+    lengths = [
+        row["completions/mean_length"]
+        for row in trainer.state.log_history
+        if "completions/mean_length" in row
+    ]
+    result = {
+        "trl": trl.__version__,
+        "transformers": transformers.__version__,
+        "setup_s": load_s,
+        "step_s": cycles,
+        "first_step_s": cycles[0] if cycles else None,
+        "median_step_s": statistics.median(cycles[1:] or cycles) if cycles else None,
+        "completion_mean_length": lengths,
+        "answers_per_step": 16,
+        "updates_per_step": updates_per_generation,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
