@@ -62,7 +62,15 @@ def main() -> int:
                 sync()
                 marks.append(time.perf_counter())
 
+    # transformers renamed gradient_checkpointing to activation_checkpointing in 5.2x.
+    fields = GRPOConfig.__dataclass_fields__
+    checkpointing = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in fields
+        else "gradient_checkpointing"
+    )
     config = GRPOConfig(
+        **{checkpointing: True},
         output_dir=args.workdir,
         per_device_train_batch_size=4,
         steps_per_generation=updates_per_generation,
@@ -73,7 +81,6 @@ def main() -> int:
         beta=0.0,
         bf16=torch.cuda.is_available(),
         use_cpu=not torch.cuda.is_available(),  # a CPU run only checks the script
-        activation_checkpointing=True,
         use_vllm=False,
         max_steps=updates_per_generation * args.cycles,
         logging_steps=1,

@@ -134,10 +134,11 @@ def pick_tokens(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
         drop_sorted = cumulative <= 1 - s.top_p
         drop_sorted[:, -1] = False  # always keep the most likely token
         logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
-    probs = logits.softmax(-1)
-    # Exponential race (Gumbel-max in another form): argmax(p / E) ~ Categorical(p); it is
-    # graph-safe, unlike torch.multinomial's host-side checks.
-    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+    # Exponential race (Gumbel-max in another form): argmax(p / E) = argmax(log p - log E) ~
+    # Categorical(p), and log p differs from the logits by a per-row constant, so no softmax
+    # over the vocabulary is needed. Graph-safe, unlike torch.multinomial's host-side checks.
+    noise = torch.empty_like(logits).exponential_(1).log_()
+    return (logits - noise).argmax(-1)
 
 
 class StaticSampler:

@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
+from rlinf_twoworker.algorithm import token_logprobs
 from rlinf_twoworker.demo import make_inputs
 from rlinf_twoworker.errors import TwoWorkerError
-from rlinf_twoworker.models import SequenceBatch, load_causal_lm
+from rlinf_twoworker.models import SequenceBatch, load_causal_lm, response_logprobs
 from rlinf_twoworker.rollout import left_pad, response_mask
 
 
@@ -34,6 +35,31 @@ def test_left_padding_positions_and_response_mask():
     batch = SequenceBatch(torch.cat([ids, responses], 1), torch.cat([mask, resp], 1), resp, 3)
     assert batch.position_ids[1].tolist()[:4] == [0, 0, 0, 1]  # real tokens count from 0
     assert batch.responses.tolist() == responses.tolist()
+
+
+def test_response_logprobs_skip_shared_padding_and_prompt_logits(tmp_path):
+    """Dropping the columns that are padding in every row and the LM head over prompt
+    positions changes nothing: the log-probs equal a plain full-width forward's."""
+    model = load_causal_lm(make_inputs(tmp_path).model_path, torch.float32, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 60, (n,), generator=generator).tolist() for n in (5, 9, 3)]
+    ids, mask = left_pad(prompts, pad_id=0, width=16)  # 7 columns are padding in every row
+    responses = torch.randint(3, 60, (3, 6), generator=generator)
+    resp = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0], [1] * 6])
+    batch = SequenceBatch(torch.cat([ids, responses], 1), torch.cat([mask, resp], 1), resp, 16)
+    trimmed = batch.without_common_padding()
+    assert trimmed.input_ids.shape[1] == 22 - 7 and trimmed.prompt_length == 9
+    assert torch.equal(trimmed.responses, batch.responses)
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+        ).logits
+        expected = token_logprobs(logits[:, 15:-1], batch.input_ids[:, 16:])
+        got = response_logprobs(model, batch)
+    assert got.shape == (3, 6)
+    torch.testing.assert_close(got * resp, expected * resp, rtol=1e-5, atol=1e-5)
 
 
 def test_weights_travel_in_the_rollouts_dtype():
