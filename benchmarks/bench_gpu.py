@@ -192,6 +192,7 @@ def fsdp_model(model_dir: Path, activation_checkpointing: bool) -> torch.nn.Modu
     if not dist.is_initialized():
         dist.init_process_group("nccl", rank=0, world_size=1)
     model = load_causal_lm(model_dir, torch.float32, torch.device("cuda"))
+    model.train()  # from_pretrained returns eval mode, where checkpointing is switched off
     if activation_checkpointing:
         model.gradient_checkpointing_enable()
     model.config.use_cache = False

@@ -120,45 +120,16 @@ class SequenceBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def without_common_padding(self) -> SequenceBatch:
-        """The same rows without the leading columns that are padding in every row: prompts
-        are left-padded to a fixed width, and those columns only cost compute (they are masked
-        out of attention and positions count real tokens only, so log-probs are unchanged)."""
-        lead = int(self.attention_mask.long().argmax(-1).min()) if len(self) else 0
-        lead = min(lead, self.prompt_length - 1)
-        if lead <= 0:
-            return self
-        return SequenceBatch(
-            self.input_ids[:, lead:],
-            self.attention_mask[:, lead:],
-            self.response_mask,
-            self.prompt_length - lead,
-        )
-
 
 def response_logprobs(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tensor:
-    """Log-probabilities of each response token under `model`, shape [B, R] (float32).
-
-    Only the positions that predict response tokens go through the LM head (`logits_to_keep`),
-    and columns that are padding in every row are dropped first."""
+    """Log-probabilities of each response token under `model`, shape [B, R] (float32)."""
     from rlinf_twoworker.algorithm import token_logprobs
 
-    batch = batch.without_common_padding()
-    p = batch.prompt_length
-    keep = batch.input_ids.shape[1] - p + 1  # positions p-1 .. end
-    kwargs = {"logits_to_keep": keep} if _takes_logits_to_keep(model) else {}
     logits = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,
-        **kwargs,
     ).logits
-    logits = logits[:, -keep:]
-    return token_logprobs(logits[:, :-1], batch.input_ids[:, p:])
-
-
-def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    import inspect
-
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    p = batch.prompt_length
+    return token_logprobs(logits[:, p - 1 : -1], batch.input_ids[:, p:])

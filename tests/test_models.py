@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from rlinf_twoworker.algorithm import token_logprobs
 from rlinf_twoworker.demo import make_inputs
 from rlinf_twoworker.errors import TwoWorkerError
 from rlinf_twoworker.models import SequenceBatch, load_causal_lm, response_logprobs
@@ -37,26 +36,22 @@ def test_left_padding_positions_and_response_mask():
     assert batch.responses.tolist() == responses.tolist()
 
 
-def test_response_logprobs_skip_shared_padding_and_prompt_logits(tmp_path):
-    """Dropping the columns that are padding in every row and the LM head over prompt
-    positions changes nothing: the log-probs equal a plain full-width forward's."""
+def test_response_logprobs_line_up_with_the_response_tokens(tmp_path):
+    """Row b, column t is log p(response[b, t] | everything before it), on left-padded rows."""
     model = load_causal_lm(make_inputs(tmp_path).model_path, torch.float32, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 60, (n,), generator=generator).tolist() for n in (5, 9, 3)]
-    ids, mask = left_pad(prompts, pad_id=0, width=16)  # 7 columns are padding in every row
+    ids, mask = left_pad(prompts, pad_id=0, width=16)
     responses = torch.randint(3, 60, (3, 6), generator=generator)
     resp = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0], [1] * 6])
     batch = SequenceBatch(torch.cat([ids, responses], 1), torch.cat([mask, resp], 1), resp, 16)
-    trimmed = batch.without_common_padding()
-    assert trimmed.input_ids.shape[1] == 22 - 7 and trimmed.prompt_length == 9
-    assert torch.equal(trimmed.responses, batch.responses)
     with torch.no_grad():
         logits = model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             position_ids=batch.position_ids,
         ).logits
-        expected = token_logprobs(logits[:, 15:-1], batch.input_ids[:, 16:])
+        expected = logits[:, 15:-1].log_softmax(-1).gather(-1, responses.unsqueeze(-1))[..., 0]
         got = response_logprobs(model, batch)
     assert got.shape == (3, 6)
     torch.testing.assert_close(got * resp, expected * resp, rtol=1e-5, atol=1e-5)
