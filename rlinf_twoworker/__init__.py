@@ -15,6 +15,7 @@ from rlinf_twoworker.errors import (
     PreflightError,
     RunCancelledError,
     RunDirError,
+    RunDirExistsError,
     TwoWorkerError,
     VerificationError,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "PreflightError",
     "RunCancelledError",
     "RunDirError",
+    "RunDirExistsError",
     "RunHandle",
     "TwoWorkerError",
     "VerificationError",

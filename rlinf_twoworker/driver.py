@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rlinf_twoworker.config import to_typed
-from rlinf_twoworker.errors import RunDirError, TwoWorkerError
+from rlinf_twoworker.errors import TwoWorkerError
 
 TUTORIAL_SUBDIR = Path("runs") / "two-worker-grpo-pipeline"
 
@@ -63,7 +63,7 @@ def resolve_request(
 ) -> tuple[Any, list[str]]:
     """Everything checked before Ray is touched: returns (config, the overrides applied)."""
     from rlinf_twoworker.config import load_config
-    from rlinf_twoworker.rundir import run_dir_of
+    from rlinf_twoworker.rundir import refuse_existing, run_dir_of
 
     applied = [*env_overrides(env, overrides, for_run), *overrides]
     cfg = load_config(config, applied)
@@ -72,11 +72,7 @@ def resolve_request(
     if not for_run:
         return cfg, applied
     run_dir = run_dir_of(Path(typed.runner.output_dir).resolve(), typed.runner.experiment_name)
-    if run_dir.exists():
-        raise RunDirError(
-            f"run directory {run_dir} already exists: runs are never reused or overwritten; "
-            "choose a new RUN_ID"
-        )
+    refuse_existing(run_dir)
     existing = next(p for p in [run_dir, *run_dir.parents] if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         raise RequestError(

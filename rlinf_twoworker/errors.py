@@ -22,6 +22,11 @@ class RunDirError(TwoWorkerError):
     """The run directory cannot be created (it exists, or its parent is not writable)."""
 
 
+class RunDirExistsError(RunDirError, ConfigError):
+    """The run directory exists already: runs are never reused or overwritten. Both a
+    RunDirError and a ConfigError (the fix is a new runner.experiment_name, the RUN_ID)."""
+
+
 class PlacementError(TwoWorkerError):
     """The placement group could not be scheduled within its timeout."""
 

@@ -21,13 +21,14 @@ from omegaconf import DictConfig, OmegaConf
 from rlinf_twoworker import checkpoint as ckpt
 from rlinf_twoworker.components import NAMESPACE, death_cause
 from rlinf_twoworker.config import GRPOConfig, to_typed
-from rlinf_twoworker.errors import ClusterError, ComponentError, ConfigError, TwoWorkerError
+from rlinf_twoworker.errors import ClusterError, ComponentError, TwoWorkerError
 from rlinf_twoworker.rundir import (
     DRIVER_LOG,
     FAILURE_JSON,
     RunLog,
     atomic_write_text,
     create_run_dir,
+    refuse_existing,
     run_dir_of,
 )
 
@@ -257,13 +258,7 @@ def run_grpo_two_worker(
     output_root = Path(typed.runner.output_dir).resolve()
     cfg.runner.output_dir = str(output_root)
     run_dir = run_dir_of(output_root, typed.runner.experiment_name)
-    if run_dir.exists():
-        raise ConfigError(
-            "runner.experiment_name",
-            typed.runner.experiment_name,
-            f"run directory {run_dir} already exists; runs are never reused "
-            "or overwritten: choose a new RUN_ID",
-        )
+    refuse_existing(run_dir)
     connect(ray_address, typed)
     run_dir = create_run_dir(cfg, overrides)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

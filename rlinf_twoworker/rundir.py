@@ -17,7 +17,7 @@ from filelock import FileLock, Timeout
 from omegaconf import DictConfig
 
 from rlinf_twoworker.config import RUN_ID_PATTERN, to_yaml
-from rlinf_twoworker.errors import RunDirError
+from rlinf_twoworker.errors import RunDirError, RunDirExistsError
 
 DRIVER_LOG = "driver.log"
 MAIN_LOG = "log/main.log"
@@ -38,6 +38,22 @@ def run_dir_of(output_root: str | Path, run_id: str) -> Path:
             "(letters, digits, '.', '_', '-'; no path separators)"
         )
     return Path(output_root).resolve() / run_id
+
+
+def refuse_existing(run_dir: Path) -> None:
+    """RunDirExistsError if `run_dir` exists (a cheap early check; `create_run_dir` is the
+    atomic one)."""
+    if run_dir.exists():
+        raise _exists(run_dir)
+
+
+def _exists(run_dir: Path) -> RunDirExistsError:
+    return RunDirExistsError(
+        "runner.experiment_name",
+        run_dir.name,
+        f"run directory {run_dir} already exists; runs are never reused or overwritten: "
+        "choose a new RUN_ID",
+    )
 
 
 def create_run_dir(cfg: DictConfig, overrides: Sequence[str] = ()) -> Path:
@@ -61,10 +77,7 @@ def create_run_dir(cfg: DictConfig, overrides: Sequence[str] = ()) -> Path:
             try:
                 os.mkdir(run_dir)
             except FileExistsError:
-                raise RunDirError(
-                    f"run directory {run_dir} already exists: runs are never reused or "
-                    "overwritten; choose a new RUN_ID (runner.experiment_name)"
-                ) from None
+                raise _exists(run_dir) from None
             except OSError as exc:
                 raise RunDirError(f"cannot create run directory {run_dir}: {exc}") from exc
     except Timeout as exc:

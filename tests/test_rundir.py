@@ -15,7 +15,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from rlinf_twoworker.config import load_config
-from rlinf_twoworker.errors import RunDirError
+from rlinf_twoworker.errors import ConfigError, RunDirError, RunDirExistsError
 from rlinf_twoworker.rundir import (
     RunLog,
     atomic_write_text,
@@ -100,6 +100,10 @@ def test_existing_run_directory_is_refused_untouched(tmp_path: Path):
     assert str(run_dir) in str(info.value)
     assert "RUN_ID" in str(info.value)  # what to do
     assert snapshot(run_dir) == before
+    # One error type wherever the check runs (CLI request check, run_grpo_two_worker, here):
+    # a RunDirError and a ConfigError naming the key to change.
+    assert isinstance(info.value, RunDirExistsError) and isinstance(info.value, ConfigError)
+    assert info.value.key == "runner.experiment_name"
 
 
 RACER = textwrap.dedent(
