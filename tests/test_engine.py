@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -261,3 +262,50 @@ def test_dynamic_batch_size_gives_the_same_update(cluster_2x2, inputs, tmp_path)
     for key, value in weights["dynamic"].items():
         assert torch.equal(exported[key], value), key
     assert not (tmp_path / "fixed/checkpoints/global_step_1/actor/huggingface").exists()
+
+
+TWO_NODES_ONE_GPU = """
+import json, sys, ray
+from rlinf_twoworker import run_grpo_two_worker
+from rlinf_twoworker.demo import demo_config, make_inputs
+from rlinf_twoworker.local import LocalCluster
+
+root = sys.argv[1]
+inputs = make_inputs(root + "/inputs")
+placement = "{rollout:0,reward:0,inference:1,actor:1}"
+cfg = demo_config(inputs, root + "/runs", "two-by-one", [
+    "cluster.num_gpus_per_node=1", f"cluster.component_placement={placement}",
+    "rollout.validate_weight=true",
+])
+with LocalCluster(num_nodes=2, gpus_per_node=1):
+    handle = run_grpo_two_worker(cfg)
+    steps = [ray.get(handle.step(n), timeout=300) for n in (1, 2)]
+    report = handle.result(timeout=300)
+    print(json.dumps({
+        "passed": report.passed, "errors": report.errors,
+        "driver": ray.get_runtime_context().get_node_id(),
+        "topology": [[p["component"], p["bundle"], p["node_id"]] for p in handle.topology()],
+        "synced": [s.metrics["sync/bytes"] for s in steps],
+    }))
+"""
+
+
+def test_two_nodes_one_gpu_each_with_inference_beside_the_actor(tmp_path):
+    """The topology of the two-GPU benchmark: the actor's weights cross the node boundary to
+    the rollout and fan out back to the inference component on the actor's node; the
+    weight check (digests of every copy) passes after each sync, and the postflight passes."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-c", TWO_NODES_ONE_GPU, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["passed"], result["errors"]
+    nodes = {c: (b, n) for c, b, n in result["topology"]}
+    assert nodes["rollout"][1] == nodes["reward"][1] == result["driver"]
+    assert nodes["inference"][1] == nodes["actor"][1] != result["driver"]
+    assert all(b > 0 for b in result["synced"])
