@@ -57,7 +57,7 @@ class ActorWorker(Worker):
         mp = None
         if self.device.type == "cuda" and cfg.actor.mixed_precision:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        kwargs = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
+        kwargs: dict[str, Any] = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
         for layer in model.model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
@@ -136,8 +136,8 @@ class ActorWorker(Worker):
         return {
             "optimizer_seconds": time.perf_counter() - optimizer_start,
             "loss": float(sums[0]),
-            "clip_fraction": float(sums[1] / max(sums[3], 1)),
-            "approx_kl": float(sums[2] / max(sums[3], 1)),
+            "clip_fraction": float(sums[1] / sums[3].clamp(min=1)),
+            "approx_kl": float(sums[2] / sums[3].clamp(min=1)),
             "grad_norm": float(grad_norm),
             "lr": lr,
             "tokens": float(sums[3]),

@@ -8,7 +8,7 @@ turns any failure into a ComponentError naming the component, its rank and its n
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +99,7 @@ class ComponentGroup:
         for slot in self.placement.slots:
             cls = self.classes[slot.component]
             options = scheduling_options(self.pg, self.placement, slot)
-            remote = ray.remote(cls).options(
+            remote: Any = ray.remote(cls).options(
                 name=f"{self.run_id}:{slot.component}:{slot.rank}",
                 namespace=NAMESPACE,
                 max_concurrency=4 if slot.component == "reward" else 1,
@@ -229,7 +229,7 @@ class ComponentGroup:
             ping = self._pings.get(member.slot.name)
             if ping is not None and ping.done():
                 error = None if ping.cancelled() else ping.result()
-                if is_death(error):
+                if error is not None and is_death(error):
                     return self.died(member, error)
                 ping = None  # answered, or only unavailable for now: ask again
             if ping is None:
@@ -266,7 +266,7 @@ class ComponentGroup:
                 pass
 
 
-async def gather_fail_fast(calls: list[Awaitable[Any]]) -> list[Any]:
+async def gather_fail_fast(calls: Sequence[Awaitable[Any]]) -> list[Any]:
     """Await all calls; at the first failure stop waiting on the others and raise it (a death
     first, when several failed together). asyncio.gather would leave the others running."""
     tasks = [asyncio.ensure_future(c) for c in calls]
@@ -275,7 +275,9 @@ async def gather_fail_fast(calls: list[Awaitable[Any]]) -> list[Any]:
     finally:
         for task in tasks:
             task.cancel()  # a no-op for finished ones
-    failed = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]
+    failed = [
+        exc for t in tasks if t.done() and not t.cancelled() and (exc := t.exception()) is not None
+    ]
     if failed:
         raise min(failed, key=lambda exc: not is_death(exc.__cause__))
     return [t.result() for t in tasks]

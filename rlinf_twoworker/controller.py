@@ -14,7 +14,7 @@ import os
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -180,20 +180,21 @@ class RunController:
             data.skip_malformed_lines,
             lambda note: self.log.info(f"DATA_WARNING {note}"),
         )
-        self.group = ComponentGroup(
+        group = ComponentGroup(
             cfg, self.run_id, placement, self.pg, self.classes, bundle_nodes=places
         )
-        self.group.start()
-        await self.group.wait_started()
-        await self._join_process_groups()
-        for row in self.group.topology():
+        self.group = group  # set first: release and the watchdog find it
+        group.start()
+        await group.wait_started()
+        await self._join_process_groups(group)
+        for row in group.topology():
             self.log.info(
                 f"COMPONENT {row.component}:{row.rank} bundle={row.bundle} "
                 f"node={row.node_id[:8]} ip={row.node_ip} gpus={row.gpu_ids}"
             )
 
-    async def _join_process_groups(self) -> None:
-        group, timeout = self.group, self.cfg.runner.timeouts.collective_s
+    async def _join_process_groups(self, group: ComponentGroup) -> None:
+        timeout = self.cfg.runner.timeouts.collective_s
         actors = group.actors()
         consumers = [group.one("rollout"), group.one("inference")]
         members = actors + consumers
@@ -219,16 +220,18 @@ class RunController:
         await sync_weights(group, self.cfg)  # rollout and inference start from the actor
 
     async def _train(self) -> None:
-        cfg = self.cfg
+        cfg, group, source = self.cfg, self.group, self.resume_from
+        if group is None:
+            raise RuntimeError("training started before the components (a library bug)")
         data, samples = cfg.data, self.samples
         tokenizer = load_tokenizer(cfg.tokenizer_path)
         sampler = PromptSampler(len(samples), data.rollout_batch_size, data.shuffle, data.seed)
-        if self.resume_step:
-            sampler.load_state_dict(ckpt.load_data_state(self.resume_from)["sampler"])
-        for step in range(1, self.resume_step + 1):  # steps done by the run we resumed from
-            self.steps[step].set(StepResult(step, {}, {}))
-            if step in self.checkpoints:
-                self.checkpoints[step].set(ckpt.inherited_info(self.resume_from, step))
+        if source is not None:
+            sampler.load_state_dict(ckpt.load_data_state(source)["sampler"])
+            for step in range(1, self.resume_step + 1):  # steps done by the run resumed from
+                self.steps[step].set(StepResult(step, {}, {}))
+                if step in self.checkpoints:
+                    self.checkpoints[step].set(ckpt.inherited_info(source, step))
         writer = MetricsWriter(self.run_dir)
         try:
             for step in range(self.resume_step + 1, cfg.runner.max_steps + 1):
@@ -241,7 +244,7 @@ class RunController:
                     log=self.log.info,
                 )
                 result = await run_step(
-                    self.group, cfg, step, prompts, [samples[i].solutions for i in indices]
+                    group, cfg, step, prompts, [samples[i].solutions for i in indices]
                 )
                 self.last = {**result.metrics, **result.timings}
                 writer.write(step, self.last)
@@ -249,7 +252,7 @@ class RunController:
                 self.steps[step].set(result)
                 if step in self.checkpoints:
                     info = await ckpt.save(
-                        self.group,
+                        group,
                         cfg,
                         self.run_dir,
                         step,
@@ -266,7 +269,9 @@ class RunController:
         from rlinf_twoworker.verify import verify_run
 
         await asyncio.to_thread(self._release)
-        placement = OmegaConf.to_container(self.raw_cfg.cluster.component_placement)
+        placement = cast(
+            dict[str, Any], OmegaConf.to_container(self.raw_cfg.cluster.component_placement)
+        )
         return await asyncio.to_thread(
             verify_run,
             self.run_dir,

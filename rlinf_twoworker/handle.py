@@ -98,8 +98,15 @@ class RunHandle:
         failure = self.output_dir / FAILURE_JSON
         if not failure.exists():
             RunLog(self.output_dir).info(f"RUN_FAILED error=ComponentError: {error}")
-            record = {"state": "failed", "error": str(error), "type": "ComponentError"}
-            record.update(component="controller", rank=0, node=error.node, cause=error.cause)
+            record = {
+                "state": "failed",
+                "error": str(error),
+                "type": "ComponentError",
+                "component": "controller",
+                "rank": 0,
+                "node": error.node,
+                "cause": error.cause,
+            }
             atomic_write_text(failure, json.dumps({**record, "time": time.time()}, indent=2))
         return error
 
@@ -251,9 +258,7 @@ def run_grpo_two_worker(
 
     `overrides` are recorded in hydra/.hydra/overrides.yaml. `component_classes` replaces a
     component's class (tests inject failing ones)."""
-    if isinstance(cfg, GRPOConfig):
-        cfg = OmegaConf.structured(cfg)
-    cfg = cfg.copy()
+    cfg = OmegaConf.structured(cfg) if isinstance(cfg, GRPOConfig) else cfg.copy()
     typed = to_typed(cfg)
     output_root = Path(typed.runner.output_dir).resolve()
     cfg.runner.output_dir = str(output_root)
@@ -266,7 +271,7 @@ def run_grpo_two_worker(
     from rlinf_twoworker.controller import RunController
 
     here = ray.get_runtime_context().get_node_id()
-    controller = (
+    controller: Any = (
         ray.remote(RunController)
         .options(
             name=f"{typed.runner.experiment_name}:controller:0",

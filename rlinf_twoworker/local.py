@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from types import TracebackType
+from typing import Any
 
 LOOPBACK = "127.0.0.1"
 # Ray picks the address its processes bind to from this switch at import time; with it off,
@@ -52,7 +53,7 @@ class LocalCluster:
         self.cpus_per_node, self.connect = cpus_per_node, connect
         self.object_store_bytes = object_store_mb * 1024 * 1024
         self.real_gpus = visible_cuda_gpus() >= num_nodes * gpus_per_node
-        self._cluster = None
+        self._cluster: Any = None  # ray.cluster_utils.Cluster once started
         self._connected = False  # whether start() connected this process (and so may shut down)
 
     @property
@@ -88,10 +89,11 @@ class LocalCluster:
         # module needs the constant itself turned off, or the head dials the external address.
         ray_constants.ENABLE_RAY_CLUSTER = False
         head = dict(self._node_args(0), include_dashboard=False, dashboard_host=LOOPBACK)
-        self._cluster = Cluster(initialize_head=True, head_node_args=head)
+        cluster = Cluster(initialize_head=True, head_node_args=head)
+        self._cluster = cluster
         for index in range(1, self.num_nodes):
-            self._cluster.add_node(**self._node_args(index))
-        self._cluster.wait_for_nodes()
+            cluster.add_node(**self._node_args(index))
+        cluster.wait_for_nodes()
         if self.connect and not ray.is_initialized():
             ray.init(
                 address=self.address,

@@ -56,8 +56,10 @@ def load_tokenizer(path: str | Path) -> Any:
     return tokenizer
 
 
-def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """AutoModelForCausalLM from a local directory, with an error that says what is wrong."""
+def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -> Any:
+    """AutoModelForCausalLM from a local directory, with an error that says what is wrong.
+    Typed Any: a transformers model's submodules (`.model.layers`, `.lm_head`) and config are
+    dynamic attributes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     _offline()
@@ -72,7 +74,7 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -
     if archs and not any(a.endswith("ForCausalLM") for a in archs):
         raise TwoWorkerError(f"model in {path} is {archs}, not a causal LM (…ForCausalLM)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model: Any = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=dtype, attn_implementation="sdpa"
         )
     except ValueError as exc:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 SUPPORTED = ("Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 
 
-def supports(model: torch.nn.Module) -> bool:
+def supports(model: Any) -> bool:
     return type(model).__name__ in SUPPORTED
 
 
@@ -77,13 +78,10 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _fuse(linears: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
-    """One tensor holding the linears' `attr` (weight or bias) back to back, the parameters
-    rebound as views of it: in-place updates of a parameter (weight sync, load_state_dict)
-    write straight into the fused tensor, and no weight is stored twice."""
-    parts = [getattr(lin, attr) for lin in linears]
-    if any(p is None for p in parts):
-        return None
+def _fuse(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor holding the parameters back to back, the parameters rebound as views of it:
+    in-place updates of a parameter (weight sync, load_state_dict) write straight into the
+    fused tensor, and no weight is stored twice."""
     fused = torch.cat([p.detach() for p in parts])
     offset = 0
     for part in parts:
@@ -99,23 +97,31 @@ class FusedLayer:
     gate_up_weight: torch.Tensor | None  # None: not a gate/up SiLU MLP, call the module
 
 
-def fuse_projections(model: torch.nn.Module) -> list[FusedLayer]:
-    """Fused q/k/v (and gate/up) projection weights of every decoder layer; idempotent."""
-    fused = getattr(model, "_rlinf_fused_projections", None)
-    if fused is not None and all(
+def fuse_projections(model: Any) -> list[FusedLayer]:
+    """Fused q/k/v (and gate/up) projection weights of every decoder layer of a transformers
+    Qwen2/Llama/Mistral model; idempotent."""
+    done: list[FusedLayer] | None = getattr(model, "_rlinf_fused_projections", None)
+    if done is not None and all(
         f.qkv_weight.data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
-        for f, layer in zip(fused, model.model.layers)
+        for f, layer in zip(done, model.model.layers)
     ):
-        return fused
+        return done
     silu = getattr(model.config, "hidden_act", "silu") == "silu"
     fused = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        biases = [lin.bias for lin in qkv]
         gate_up = None
         if silu and getattr(mlp.gate_proj, "bias", None) is None:
-            gate_up = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
-        fused.append(FusedLayer(_fuse(qkv, "weight"), _fuse(qkv, "bias"), gate_up))
+            gate_up = _fuse([mlp.gate_proj.weight, mlp.up_proj.weight])
+        fused.append(
+            FusedLayer(
+                _fuse([lin.weight for lin in qkv]),
+                None if any(b is None for b in biases) else _fuse(biases),
+                gate_up,
+            )
+        )
     model._rlinf_fused_projections = fused
     return fused
 
@@ -144,8 +150,10 @@ def pick_tokens(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
 class StaticSampler:
     """Batched generation with a preallocated cache; one instance per (batch, length) shape."""
 
-    def __init__(self, model: torch.nn.Module, batch: int, max_len: int) -> None:
-        self.model, self.batch, self.max_len = model, batch, max_len
+    def __init__(self, model: Any, batch: int, max_len: int) -> None:
+        """`model`: a loaded transformers causal LM of a supported architecture."""
+        self.model: Any = model
+        self.batch, self.max_len = batch, max_len
         cfg = model.config
         self.layers = model.model.layers
         self.fused = fuse_projections(model)
@@ -244,7 +252,8 @@ class StaticSampler:
             delta = self._attention(index, h, rotary, cols, mask)
             x, h = self._residual_norm(x, delta, layer.post_attention_layernorm)
             delta = self._mlp(index, h)
-        _, h = self._residual_norm(x[:, -1], delta[:, -1], self.model.model.norm)
+        last = None if delta is None else delta[:, -1]
+        _, h = self._residual_norm(x[:, -1], last, self.model.model.norm)
         return self.model.lm_head(h)
 
     def generate(

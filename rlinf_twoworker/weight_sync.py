@@ -9,7 +9,7 @@ object store or files. Both sides derive the same bucket layout from the same ar
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +25,8 @@ class SyncGroups:
     source: int  # actor rank 0
     relay: int  # first consumer: receives across the node boundary
     consumers: tuple[int, ...]  # relay first
-    cross: object  # group {source, relay}
-    fanout: object | None  # group {consumers}, None when there is one consumer
+    cross: dist.ProcessGroup  # group {source, relay}
+    fanout: dist.ProcessGroup | None  # group {consumers}, None when there is one consumer
     cross_on_host: bool = False  # the group is gloo: GPU buckets travel through host memory
     fanout_on_host: bool = False
 
@@ -48,7 +48,9 @@ def new_sync_groups(
     return SyncGroups(source, relay, tuple(consumer_ranks), cross, fanout, *shared_gpu)
 
 
-def _broadcast(flat: torch.Tensor, src: int, group: object, on_host: bool) -> None:
+def _broadcast(
+    flat: torch.Tensor, src: int, group: dist.ProcessGroup | None, on_host: bool
+) -> None:
     if on_host and flat.device.type == "cuda":
         staged = flat.cpu()
         dist.broadcast(staged, src=src, group=group)
@@ -88,7 +90,7 @@ def _source_buckets(
             yield torch.cat([t.detach().to(dtype).reshape(-1) for t in fulls])
 
 
-def _unpack(flat: torch.Tensor, params: list[torch.Tensor], bucket: list[int]) -> None:
+def _unpack(flat: torch.Tensor, params: Sequence[torch.Tensor], bucket: list[int]) -> None:
     offset = 0
     for i in bucket:
         n = params[i].numel()

@@ -49,8 +49,18 @@ class Worker:
         self.device = device_for(cfg.cluster.accelerator)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.actor_group: Any = None
-        self.sync: SyncGroups | None = None
+        self._sync: SyncGroups | None = None
         torch.manual_seed(cfg.actor.seed + rank)
+
+    @property
+    def sync(self) -> SyncGroups:
+        """The weight-sync groups, made by `join`."""
+        if self._sync is None:
+            raise RuntimeError(
+                f"{self.component} rank {self.rank}: weight sync before join(); the run's "
+                "process groups are made first (a library bug if it reaches a user)"
+            )
+        return self._sync
 
     def where(self) -> dict[str, Any]:
         """Component, rank, node and GPUs of this process (for topology and error messages)."""
@@ -102,7 +112,8 @@ class Worker:
             timeout=timeout,
         )
         self.actor_group = dist.new_group(actor_ranks)
-        self.sync = new_sync_groups(actor_ranks, consumer_ranks, tuple(shared_gpu))
+        shared = (bool(shared_gpu[0]), bool(shared_gpu[1]))
+        self._sync = new_sync_groups(actor_ranks, consumer_ranks, shared)
 
     def leave(self) -> None:
         if dist.is_initialized():
@@ -118,8 +129,6 @@ class Worker:
 
 class PolicyCopy(Worker):
     """A component holding a copy of the policy (rollout, inference): it receives weights."""
-
-    model: torch.nn.Module
 
     def receive_weights(self, sync_dtype: str) -> dict[str, float]:
         """Take part in the collective weight sync (actor ranks send)."""
