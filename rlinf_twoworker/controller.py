@@ -9,7 +9,6 @@ actors and removes its placement group, so no future hangs and nothing is left h
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 import traceback
@@ -19,11 +18,12 @@ from typing import Any, cast
 from omegaconf import DictConfig, OmegaConf
 
 from rlinf_twoworker import checkpoint as ckpt
-from rlinf_twoworker.components import ComponentGroup, is_death
+from rlinf_twoworker.components import ComponentGroup
 from rlinf_twoworker.config import to_typed
 from rlinf_twoworker.data import PromptSampler, encode_prompts, load_jsonl
-from rlinf_twoworker.errors import ClusterError, ComponentError, RunCancelledError
+from rlinf_twoworker.errors import RunCancelledError
 from rlinf_twoworker.grpo_step import run_step, sync_weights
+from rlinf_twoworker.liveness import liveness_error, root_cause
 from rlinf_twoworker.metrics import MetricsWriter
 from rlinf_twoworker.models import load_tokenizer
 from rlinf_twoworker.placement import (
@@ -34,7 +34,7 @@ from rlinf_twoworker.placement import (
     wait_removed,
 )
 from rlinf_twoworker.results import CheckpointInfo, StepResult
-from rlinf_twoworker.rundir import FAILURE_JSON, RunLog, atomic_write_text
+from rlinf_twoworker.rundir import RunLog, write_failure
 
 
 class _Future:
@@ -144,7 +144,8 @@ class RunController:
         except BaseException as exc:  # every failure must resolve the futures
             watchdog.cancel()
             failure = (exc, "failed")
-            failure = (await self._root_cause(exc), "failed")
+            budget = min(5.0, self.cfg.runner.timeouts.failure_detection_s / 4)
+            failure = (await root_cause(self.group, exc, budget), "failed")
         finally:
             watchdog.cancel()
             if self.group is not None:
@@ -289,50 +290,11 @@ class RunController:
         period = min(5.0, self.cfg.runner.timeouts.failure_detection_s / 4)
         while True:
             await asyncio.sleep(period)
-            error = await self._liveness_error()
+            error = await liveness_error(self.group, self.bundle_nodes, self.run_id)
             if error is not None and self.task is not None:
                 self.detected = error
                 self.task.cancel()
                 return
-
-    async def _liveness_error(self) -> BaseException | None:
-        try:
-            alive = await asyncio.to_thread(_alive_node_ids)
-        except Exception:  # the GCS did not answer this round: the pings still watch
-            alive = None
-        if self.group is not None:
-            error = self.group.check_alive(alive)
-            if error is not None:
-                return error
-        dead = [n for n in self.bundle_nodes if alive is not None and n not in alive]
-        if dead:
-            bundle = self.bundle_nodes.index(dead[0])
-            return ClusterError(
-                f"node {dead[0][:8]} holding bundle {bundle} of placement group "
-                f"{self.run_id}:pg is dead (removed from the cluster or unreachable); the run "
-                "cannot continue: check the node, then start a new run (or resume)"
-            )
-        return None
-
-    async def _root_cause(self, exc: BaseException) -> BaseException:
-        """A call that failed because a peer died (a collective broken by a dead rank) is
-        reported as that peer's death: the dead process is the cause, not the survivor."""
-        if self.group is None or not isinstance(exc, ComponentError):
-            return exc
-        if is_death(exc.__cause__):  # the failed call's own process died: already the cause
-            return exc
-        budget = min(5.0, self.cfg.runner.timeouts.failure_detection_s / 4)
-        dead = await self.group.find_dead(budget)
-        if not dead:
-            return exc
-        member, died = dead[0]
-        error = self.group.died(member, died)
-        return ComponentError(
-            error.component,
-            error.rank,
-            error.node,
-            f"{error.cause} (then {exc.component} rank {exc.rank} failed: {exc.cause})",
-        )
 
     # ---- failure and clean-up ----------------------------------------------------------------
     def _fail(self, exc: BaseException, state: str) -> None:
@@ -342,16 +304,7 @@ class RunController:
         self.log.info(f"RUN_{state.upper()} error={type(exc).__name__}: {summary}")
         with open(self.run_dir / "log" / "main.log", "a", encoding="utf-8") as handle:
             handle.write(detail + "\n")
-        record = {
-            "state": state,
-            "error": str(exc),
-            "type": type(exc).__name__,
-            "step": self.current_step,
-            "time": time.time(),
-        }
-        if isinstance(exc, ComponentError):
-            record.update(component=exc.component, rank=exc.rank, node=exc.node, cause=exc.cause)
-        atomic_write_text(self.run_dir / FAILURE_JSON, json.dumps(record, indent=2))
+        write_failure(self.run_dir, exc, state, self.current_step)
         for future in [
             *self.steps.values(),
             *self.checkpoints.values(),
@@ -367,12 +320,6 @@ class RunController:
             self.group.kill()
         if self.pg is not None:
             wait_removed(self.pg)
-
-
-def _alive_node_ids() -> set[str]:
-    import ray
-
-    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
 def _bundle_places(pg: Any) -> list[dict[str, str]]:

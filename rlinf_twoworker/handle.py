@@ -8,7 +8,6 @@ actor on the Driver's node. The handle's futures are Ray ObjectRefs: `ray.get`, 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -26,10 +25,10 @@ from rlinf_twoworker.rundir import (
     DRIVER_LOG,
     FAILURE_JSON,
     RunLog,
-    atomic_write_text,
     create_run_dir,
     refuse_existing,
     run_dir_of,
+    write_failure,
 )
 
 
@@ -98,16 +97,7 @@ class RunHandle:
         failure = self.output_dir / FAILURE_JSON
         if not failure.exists():
             RunLog(self.output_dir).info(f"RUN_FAILED error=ComponentError: {error}")
-            record = {
-                "state": "failed",
-                "error": str(error),
-                "type": "ComponentError",
-                "component": "controller",
-                "rank": 0,
-                "node": error.node,
-                "cause": error.cause,
-            }
-            atomic_write_text(failure, json.dumps({**record, "time": time.time()}, indent=2))
+            write_failure(self.output_dir, error, "failed", None)
         return error
 
     def done(self) -> bool:

@@ -7,6 +7,7 @@ verification.json.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from filelock import FileLock, Timeout
 from omegaconf import DictConfig
 
 from rlinf_twoworker.config import RUN_ID_PATTERN, to_yaml
-from rlinf_twoworker.errors import RunDirError, RunDirExistsError
+from rlinf_twoworker.errors import ComponentError, RunDirError, RunDirExistsError
 
 DRIVER_LOG = "driver.log"
 MAIN_LOG = "log/main.log"
@@ -107,6 +108,18 @@ def atomic_write_text(path: Path, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+
+
+def write_failure(run_dir: Path, exc: BaseException, state: str, step: int | None) -> None:
+    """failure.json: state ('failed' or 'cancelled'), the error, its type, the step it hit
+    and, for a component's failure, which component, rank and node and why."""
+    record: dict[str, object] = {"state": state, "error": str(exc), "type": type(exc).__name__}
+    if step is not None:
+        record["step"] = step
+    if isinstance(exc, ComponentError):
+        record.update(component=exc.component, rank=exc.rank, node=exc.node, cause=exc.cause)
+    record["time"] = time.time()
+    atomic_write_text(run_dir / FAILURE_JSON, json.dumps(record, indent=2))
 
 
 class RunLog:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
 
 from rlinf_twoworker.cli import build_parser
 from rlinf_twoworker.config import IGNORED_RLINF_KEYS, GRPOConfig
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
 
 
 def schema_keys(node: object, prefix: str = "") -> list[str]:
@@ -73,3 +75,14 @@ def test_every_subcommand_option_is_in_the_docs():
         and f"{option} " not in text
     ]
     assert missing == [], f"docs/ never mention these options: {missing}"
+
+
+def _listed_files(text: str) -> set[str]:
+    return set(re.findall(r"^  (\w+\.py) ", text, re.M))
+
+
+def test_every_module_has_its_line_in_the_readme_and_the_architecture_doc():
+    modules = {p.name for p in (ROOT / "rlinf_twoworker").glob("*.py")} - {"__init__.py"}
+    for doc in ("README.md", "docs/architecture.md"):
+        listed = _listed_files((ROOT / doc).read_text())
+        assert listed == modules, f"{doc}: missing {modules - listed}, stale {listed - modules}"
