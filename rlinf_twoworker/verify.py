@@ -23,6 +23,7 @@ from rlinf_twoworker.placement import COMPONENTS, parse_ranks
 from rlinf_twoworker.rundir import (
     CONFIG_YAML,
     DRIVER_LOG,
+    FAILURE_JSON,
     MAIN_LOG,
     PREFLIGHT_JSON,
     TENSORBOARD_DIR,
@@ -165,7 +166,7 @@ def _check_logs(run_dir: Path, target_steps: int) -> list[str]:
         seen = f"the last one says {codes[-1]!r}" if codes else "there is none"
         errors.append(
             f"{run_dir / DRIVER_LOG} must end the training with RLINF_PYTHON_EXIT_CODE=0 but "
-            f"{seen}; the training process failed or was killed: see the log's end"
+            f"{seen}; {_why_it_ended(run_dir)}"
         )
     limit = f"Step limit given by max_steps={target_steps} reached. Stopping run"
     if not any(limit in line for line in driver + main):
@@ -174,6 +175,22 @@ def _check_logs(run_dir: Path, target_steps: int) -> list[str]:
             f"the run stopped before step {target_steps} or ran a different max_steps"
         )
     return errors
+
+
+def _why_it_ended(run_dir: Path) -> str:
+    """What failure.json says, or, without one, that the run was killed before it could say."""
+    try:
+        record = json.loads((run_dir / FAILURE_JSON).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return (
+            f"there is no {FAILURE_JSON} either, so the Driver or the run controller was "
+            "killed before it could record why (the log's last STEP line is the last step "
+            f"done); to continue, start a new run with runner.resume_dir={run_dir}"
+        )
+    except (OSError, ValueError) as exc:
+        return f"{run_dir / FAILURE_JSON} cannot be read ({exc}); see the log's end"
+    what = f"{record.get('type', 'error')}: {record.get('error', '?')}"
+    return f"{run_dir / FAILURE_JSON} records the run {record.get('state', 'failed')}: {what}"
 
 
 def _same(actual: Any, expected: Any) -> bool:

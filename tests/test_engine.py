@@ -164,6 +164,8 @@ def test_cancel_makes_pending_futures_raise_and_frees_the_cluster(cluster_2x2, i
     assert time.monotonic() - started < 60
     assert wait_no_placement_groups() == []
     assert json.loads((tmp_path / "cancelled" / "failure.json").read_text())["state"] == "cancelled"
+    report = verify_run(tmp_path / "cancelled", 2, 2, log=lambda _: None, write=False)
+    assert any("records the run cancelled: RunCancelledError" in e for e in report.errors)
 
 
 class CorruptingRollout(RolloutWorker):

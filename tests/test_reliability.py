@@ -431,6 +431,11 @@ def test_driver_exiting_abruptly_kills_the_run_and_frees_the_cluster(cluster_2x2
     )
     assert done.returncode == 7 and "STEP_1_DONE" in done.stdout, done.stderr[-3000:]
     assert_released(run_id, timeout=30, driver_gone=True)
+    # Nobody could record why the run ended: the postflight says so, and how to continue.
+    report = verify_run(out / run_id, 50, 2, log=lambda _: None, write=False)
+    ending = next(e for e in report.errors if "RLINF_PYTHON_EXIT_CODE" in e)
+    assert "no failure.json either" in ending and "killed" in ending
+    assert f"runner.resume_dir={out / run_id}" in ending
 
 
 def test_ctrl_c_on_the_cli_driver_cancels_the_run_and_frees_the_cluster(
