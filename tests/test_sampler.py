@@ -122,3 +122,37 @@ def test_top_k_and_top_p_filter_the_tail():
     assert set(top_p.tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.75; 0.15 and 0.05 are cut
     greedy = pick_tokens(logits, SamplingSettings(do_sample=False))
     assert set(greedy.tolist()) == {0}
+
+
+def test_llama_without_projection_biases_matches_generate():
+    """The bias-free q/k/v path (Llama) and a non-SiLU MLP, which keeps the model's own MLP."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    for act in ("silu", "gelu"):
+        cfg = LlamaConfig(
+            vocab_size=97,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            hidden_act=act,
+            max_position_embeddings=128,
+        )
+        model = LlamaForCausalLM(cfg).eval()
+        ids, mask = left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_id=0, width=8)
+        ref = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=12,
+            min_new_tokens=12,
+            pad_token_id=0,
+        )[:, 8:]
+        out = StaticSampler(model, 3, 8 + 12).generate(
+            ids, mask, 12, [-1], 0, SamplingSettings(do_sample=False)
+        )
+        assert torch.equal(out, ref), act
+        assert fuse_projections(model)[0].qkv_bias is None
+        assert (fuse_projections(model)[0].gate_up_weight is None) == (act != "silu")
