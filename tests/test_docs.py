@@ -86,3 +86,41 @@ def test_every_module_has_its_line_in_the_readme_and_the_architecture_doc():
     for doc in ("README.md", "docs/architecture.md"):
         listed = _listed_files((ROOT / doc).read_text())
         assert listed == modules, f"{doc}: missing {modules - listed}, stale {listed - modules}"
+
+
+SECTIONS = ("cluster", "runner", "algorithm", "data", "actor", "rollout", "inference", "reward")
+
+
+def test_every_config_key_the_docs_name_exists():
+    """A key written in the docs (`runner.max_tokens_per_mbs`, `actor.optim.lr=...`) is a key
+    of the schema, an entry of a mapping-valued key (`cluster.component_placement.actor`) or one
+    of RLinf's keys the loader drops with a note, so no page tells users to set something that
+    is not there. Quoted error messages about unknown keys and file names are not keys."""
+    known = set(schema_keys(GRPOConfig())) | set(IGNORED_RLINF_KEYS)
+    mappings = {k for k in known if isinstance(_default(k), dict)}
+    sections = "|".join(SECTIONS)
+    pattern = re.compile(rf"(?<![\w./-])((?:{sections})(?:\.\w+)+)")
+    texts = {p.name: p.read_text(encoding="utf-8") for p in sorted(DOCS.glob("*.md"))}
+    texts["README.md"] = (ROOT / "README.md").read_text(encoding="utf-8")
+    unknown = set()
+    for name, text in texts.items():
+        text = re.sub(r"config key '[^']*'", "", text)
+        for key in pattern.findall(text):
+            if key.rpartition(".")[2] in FILE_SUFFIXES or key in known:
+                continue
+            if any(k.startswith(f"{key}.") for k in known):
+                continue  # a section
+            if any(key.startswith(f"{m}.") for m in mappings):
+                continue
+            unknown.add((name, key))
+    assert unknown == set(), f"docs name keys the config does not have: {sorted(unknown)}"
+
+
+FILE_SUFFIXES = {"py", "pt", "json", "yaml", "md", "log", "jsonl"}
+
+
+def _default(key: str) -> object:
+    node: object = GRPOConfig()
+    for part in key.split("."):
+        node = getattr(node, part, None)
+    return node
