@@ -100,7 +100,7 @@ class ActorWorker(Worker):
         sums = torch.zeros(4, dtype=torch.float64)  # loss, clip_fraction, approx_kl, tokens
         for rows in micro_batches(self.cfg, len(batch), batch.input_ids.shape[1]):
             part = batch.rows(rows).to(self.device)
-            logprobs = response_logprobs(self.model, part)
+            logprobs = response_logprobs(self.model, part, self.cfg.runner.trim_padding_multiple)
             loss, metrics = ppo_clip_loss(
                 logprobs,
                 old[rows].to(self.device),

@@ -31,6 +31,7 @@ class InferenceWorker(PolicyCopy):
         parts = []
         for begin in range(0, len(batch), micro):
             rows = batch.rows(slice(begin, begin + micro)).to(self.device)
-            parts.append(response_logprobs(self.model, rows).cpu())
+            trim = self.cfg.runner.trim_padding_multiple
+            parts.append(response_logprobs(self.model, rows, trim).cpu())
         logprobs = torch.cat(parts) * batch.response_mask
         return {"logprobs": logprobs, "seconds": time.perf_counter() - start}

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from rlinf_twoworker.errors import TwoWorkerError
 
@@ -122,10 +123,41 @@ class SequenceBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def trimmed(self, multiple: int) -> tuple[SequenceBatch, int]:
+        """The same rows without the columns that are padding in every row: leading prompt
+        padding and the columns after the longest answer, the kept width rounded up to
+        `multiple` (few distinct shapes). Returns the batch and how many response columns it
+        keeps. Exact: dropped columns are masked out of attention, and positions count real
+        tokens only."""
+        p, width = self.prompt_length, self.input_ids.shape[1]
+        real = self.attention_mask.bool().any(0)
+        first = int(real.long().argmax()) if bool(real.any()) else p - 1
+        last = width - int(real.flip(0).long().argmax())  # one past the last real column
+        begin = min(first, p - 1)
+        end = max(last, p + 1)  # at least one response column
+        size = min(-(-(end - begin) // multiple) * multiple, width)
+        begin = min(begin, width - size)  # widen to the left inside the batch
+        end = begin + size
+        part = SequenceBatch(
+            self.input_ids[:, begin:end],
+            self.attention_mask[:, begin:end],
+            self.response_mask[:, : end - p],
+            p - begin,
+        )
+        return part, end - p
 
-def response_logprobs(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tensor:
-    """Log-probabilities of each response token under `model`, shape [B, R] (float32)."""
+
+def response_logprobs(model: Any, batch: SequenceBatch, trim_multiple: int = 0) -> torch.Tensor:
+    """Log-probabilities of each response token under `model`, shape [B, R] (float32).
+
+    With `trim_multiple` >= 1 the forward runs on `batch.trimmed(trim_multiple)`; response
+    columns it drops (padding in every row) come back as 0."""
     from rlinf_twoworker.algorithm import token_logprobs
+
+    if trim_multiple >= 1:
+        part, kept = batch.trimmed(trim_multiple)
+        out = response_logprobs(model, part)
+        return F.pad(out, (0, batch.responses.shape[1] - kept))
 
     logits = model(
         input_ids=batch.input_ids,

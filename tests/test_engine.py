@@ -277,7 +277,7 @@ inputs = make_inputs(root + "/inputs")
 placement = "{rollout:0,reward:0,inference:1,actor:1}"
 cfg = demo_config(inputs, root + "/runs", "two-by-one", [
     "cluster.num_gpus_per_node=1", f"cluster.component_placement={placement}",
-    "rollout.validate_weight=true",
+    "rollout.validate_weight=true", "runner.trim_padding_multiple=8",
 ])
 with LocalCluster(num_nodes=2, gpus_per_node=1):
     handle = run_grpo_two_worker(cfg)
@@ -295,7 +295,8 @@ with LocalCluster(num_nodes=2, gpus_per_node=1):
 def test_two_nodes_one_gpu_each_with_inference_beside_the_actor(tmp_path):
     """The topology of the two-GPU benchmark: the actor's weights cross the node boundary to
     the rollout and fan out back to the inference component on the actor's node; the
-    weight check (digests of every copy) passes after each sync, and the postflight passes."""
+    weight check (digests of every copy) passes after each sync, and the postflight passes.
+    Padding trimming is on (multiples of 8 columns), so its path runs in a real update."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run(
         [sys.executable, "-c", TWO_NODES_ONE_GPU, str(tmp_path)],

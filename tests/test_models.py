@@ -57,6 +57,36 @@ def test_response_logprobs_line_up_with_the_response_tokens(tmp_path):
     torch.testing.assert_close(got * resp, expected * resp, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("multiple", [1, 4, 128])
+def test_trimmed_batches_give_the_same_logprobs(tmp_path, multiple):
+    """runner.trim_padding_multiple: dropping the columns that are padding in every row (left prompt
+    padding, right after the longest answer) changes no log-prob of a real response token."""
+    model = load_causal_lm(make_inputs(tmp_path).model_path, torch.float32, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 60, (n,), generator=generator).tolist() for n in (5, 9, 3)]
+    ids, mask = left_pad(prompts, pad_id=0, width=16)  # 7 leading columns pad every row
+    responses = torch.randint(3, 60, (3, 10), generator=generator)
+    resp = torch.zeros(3, 10, dtype=torch.long)
+    for row, length in enumerate((6, 3, 4)):  # the last 4 columns pad every row
+        resp[row, :length] = 1
+    batch = SequenceBatch(torch.cat([ids, responses], 1), torch.cat([mask, resp], 1), resp, 16)
+    part, kept = batch.trimmed(multiple)
+    width = part.input_ids.shape[1]
+    assert width % multiple == 0 or width == 26
+    assert kept >= 6 and part.prompt_length >= 9 and width <= 26
+    assert torch.equal(part.responses[:, :6], batch.responses[:, :6])
+    with torch.no_grad():
+        full = response_logprobs(model, batch)
+        short = response_logprobs(model, part)
+        padded = response_logprobs(model, batch, trim_multiple=multiple)
+    assert short.shape == (3, kept) and padded.shape == full.shape
+    torch.testing.assert_close(short * resp[:, :kept], full[:, :kept] * resp[:, :kept])
+    torch.testing.assert_close(padded * resp, full * resp, rtol=1e-5, atol=1e-5)
+    if multiple == 1:
+        assert width == 26 - 7 - 4 and kept == 6
+        assert torch.all(padded[:, kept:] == 0)  # dropped columns, padding in every row
+
+
 def test_weights_travel_in_the_rollouts_dtype():
     from rlinf_twoworker.config import load_config, to_typed
     from rlinf_twoworker.grpo_step import sync_dtype
