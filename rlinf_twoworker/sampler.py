@@ -210,10 +210,10 @@ class StaticSampler:
         h: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
         cols: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor,
     ) -> torch.Tensor:
-        """Attention of tokens at cache columns `cols` ([T]); `mask` [B,1,T,S] for a prefill,
-        None for a decode step (then `self.bias` masks the keys)."""
+        """Attention of tokens at cache columns `cols` ([T]). `mask`: a prefill's boolean
+        [B,1,T,S] mask, or a decode step's additive [B,1,1,S] bias (0 or -inf per key)."""
         fused = self.fused[index]
         b, t, _ = h.shape
         qkv = F.linear(h, fused.qkv_weight, fused.qkv_bias)
@@ -221,7 +221,7 @@ class StaticSampler:
         keys, values = self.k[index], self.v[index]
         keys.index_copy_(2, cols, k)
         values.index_copy_(2, cols, v)
-        if mask is not None:
+        if mask.dtype == torch.bool:
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads
             )
@@ -230,7 +230,7 @@ class StaticSampler:
             # One query per row: group the query heads of each KV head, so the cache is read
             # where it lies instead of being repeated per query head.
             q = q.reshape(b, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
-            probs = self.softmax(q @ keys.transpose(-1, -2), self.bias, self.scale)
+            probs = self.softmax(q @ keys.transpose(-1, -2), mask, self.scale)
             out = (probs @ values).reshape(b, 1, -1)
         return self.layers[index].self_attn.o_proj(out)
 
@@ -241,7 +241,7 @@ class StaticSampler:
         return mlp.down_proj(self.swiglu(F.linear(h, gate_up)))
 
     def _forward(
-        self, ids: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor, mask: torch.Tensor | None
+        self, ids: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         x = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(x, pos)  # once per step, shared by all layers
@@ -330,10 +330,10 @@ class StaticSampler:
         self.out.index_copy_(1, self.step, tok)
         self.done |= torch.isin(tok[:, 0], self.eos)
         self.valid.index_fill_(1, self.col, True)
-        self.bias = torch.zeros(self.valid.shape, device=self.valid.device).masked_fill(
+        bias = torch.zeros(self.valid.shape, device=self.valid.device).masked_fill(
             ~self.valid, float("-inf")
-        )[:, None, None, :]
-        logits = self._forward(tok, self.pos, self.col, None)
+        )
+        logits = self._forward(tok, self.pos, self.col, bias[:, None, None, :])
         self.tok.copy_(pick_tokens(logits, s).unsqueeze(1))
         self.pos.add_(1)
         self.col.add_(1)
