@@ -73,6 +73,16 @@ def bucket_plan(shapes: list[torch.Size], itemsize: int, bucket_bytes: int) -> l
     return [b for b in buckets if b]
 
 
+def _model_buckets(
+    model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int
+) -> tuple[list[torch.nn.Parameter], list[list[int]]]:
+    """The model's parameters in order and their bucket layout for `dtype`: what the actor's
+    and the consumers' sides each derive, so both agree without exchanging it."""
+    params = [p for _, p in model.named_parameters()]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return params, bucket_plan([p.shape for p in params], itemsize, bucket_bytes)
+
+
 def _full(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if hasattr(param, "full_tensor") else param
 
@@ -82,9 +92,8 @@ def _source_buckets(
 ) -> Iterator[torch.Tensor]:
     """Flat buckets of the full weights, yielded on the source; every actor rank must iterate
     (gathering a full tensor is a collective of the actor group)."""
-    params = [p for _, p in model.named_parameters()]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    for bucket in bucket_plan([p.shape for p in params], itemsize, bucket_bytes):
+    params, plan = _model_buckets(model, dtype, bucket_bytes)
+    for bucket in plan:
         fulls = [_full(params[i]) for i in bucket]
         if is_source:
             yield torch.cat([t.detach().to(dtype).reshape(-1) for t in fulls])
@@ -121,11 +130,10 @@ def receive_weights(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> int:
     """Consumer side (rollout, inference). Returns the bytes received."""
-    params = [p for _, p in model.named_parameters()]
+    params, plan = _model_buckets(model, dtype, bucket_bytes)
     rank = dist.get_rank()
     received = 0
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    for bucket in bucket_plan([p.shape for p in params], itemsize, bucket_bytes):
+    for bucket in plan:
         numel = sum(params[i].numel() for i in bucket)
         flat = torch.empty(numel, dtype=dtype, device=params[0].device)
         if rank == groups.relay:
@@ -133,7 +141,7 @@ def receive_weights(
         if groups.fanout is not None:
             _broadcast(flat, groups.relay, groups.fanout, groups.fanout_on_host)
         _unpack(flat, params, bucket)
-        received += numel * itemsize
+        received += flat.numel() * flat.element_size()
     return received
 
 
@@ -163,9 +171,7 @@ def import_weights(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> int:
     """Colocated sync, consumer side: copy each bucket from the actor's GPU memory."""
-    params = [p for _, p in model.named_parameters()]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    plan = bucket_plan([p.shape for p in params], itemsize, bucket_bytes)
+    params, plan = _model_buckets(model, dtype, bucket_bytes)
     if len(plan) != len(handles):
         raise RuntimeError(
             f"weight sync: {len(handles)} buckets exported, {len(plan)} expected; "
@@ -175,7 +181,7 @@ def import_weights(
     for bucket, (rebuild, args) in zip(plan, handles):
         flat = rebuild(*args)
         _unpack(flat, params, bucket)
-        received += flat.numel() * itemsize
+        received += flat.numel() * flat.element_size()
         del flat
     torch.cuda.synchronize()  # copies done before the actor may free the buckets
     return received
