@@ -36,9 +36,15 @@ def test_left_padding_positions_and_response_mask():
     assert batch.responses.tolist() == responses.tolist()
 
 
-def test_response_logprobs_line_up_with_the_response_tokens(tmp_path):
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The demo's tiny Qwen2 in float32 on the CPU (read-only in these tests)."""
+    path = make_inputs(tmp_path_factory.mktemp("tiny")).model_path
+    return load_causal_lm(path, torch.float32, torch.device("cpu"))
+
+
+def test_response_logprobs_line_up_with_the_response_tokens(model):
     """Row b, column t is log p(response[b, t] | everything before it), on left-padded rows."""
-    model = load_causal_lm(make_inputs(tmp_path).model_path, torch.float32, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 60, (n,), generator=generator).tolist() for n in (5, 9, 3)]
     ids, mask = left_pad(prompts, pad_id=0, width=16)
@@ -58,10 +64,9 @@ def test_response_logprobs_line_up_with_the_response_tokens(tmp_path):
 
 
 @pytest.mark.parametrize("multiple", [1, 4, 128])
-def test_trimmed_batches_give_the_same_logprobs(tmp_path, multiple):
+def test_trimmed_batches_give_the_same_logprobs(model, multiple):
     """runner.trim_padding_multiple: dropping the columns that are padding in every row (left prompt
     padding, right after the longest answer) changes no log-prob of a real response token."""
-    model = load_causal_lm(make_inputs(tmp_path).model_path, torch.float32, torch.device("cpu"))
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 60, (n,), generator=generator).tolist() for n in (5, 9, 3)]
     ids, mask = left_pad(prompts, pad_id=0, width=16)  # 7 leading columns pad every row
