@@ -538,6 +538,7 @@ VALIDATION_CASES = [
     ("runner.experiment_name=.hidden", "runner.experiment_name", ".hidden", RUN_ID_RULE),
     ("runner.experiment_name=12:30", "runner.experiment_name", "12:30", RUN_ID_RULE),
     ("runner.max_steps=0", "runner.max_steps", 0, ">= 1"),
+    ("runner.trim_padding_multiple=-1", "runner.trim_padding_multiple", -1, ">= 0"),
     ("runner.max_steps=abc", "runner.max_steps", "abc", "could not be converted to Integer"),
     ("cluster.num_nodes=two", "cluster.num_nodes", "two", "could not be converted to Integer"),
     ("runner.save_interval=0", "runner.save_interval", 0, "-1 or >= 1"),

@@ -372,3 +372,27 @@ def test_verify_command_checks_the_placement_it_is_given(run_dir: Path) -> None:
         main([*common, "--expected-placement", '{rollout:0,inference:1,actor:"0-1",reward:0}']) == 1
     )
     assert main([*common, "--expected-placement", "[1,2]"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("failure", "says"),
+    [
+        (None, "no failure.json either"),
+        (
+            '{"state": "failed", "type": "ComponentError", "error": "rank 1 died"}',
+            "records the run failed: ComponentError: rank 1 died",
+        ),
+        ("{not json", "failure.json cannot be read"),
+    ],
+)
+def test_a_run_without_exit_status_says_why_it_ended(
+    tmp_path: Path, failure: str | None, says: str
+) -> None:
+    run = tmp_path / "stopped"
+    run.mkdir()
+    (run / "driver.log").write_text("STEP 1/2 reward=0\n")
+    if failure is not None:
+        (run / "failure.json").write_text(failure)
+    report = verify_run(run, 2, 2, log=lambda _: None, write=False)
+    ending = next(e for e in report.errors if "RLINF_PYTHON_EXIT_CODE" in e)
+    assert says in ending
