@@ -9,6 +9,7 @@ Sections (each a median of several timed runs after warm-up, CUDA-synchronised):
   weight_sync  the library's bucketed NCCL broadcast between two GPUs (two processes)
   grpo_step  full colocated GRPO steps of the starting config through run_grpo_two_worker
   grpo_step_2gpu  the same on two one-GPU Ray nodes (actor + inference | rollout + reward)
+  grpo_step_trim  grpo_step with runner.trim_padding_multiple=128 (not in the default list)
   trl        TRL's GRPOTrainer on the same model, prompts and lengths (bench_trl.py, own process)
 The model is the DeepSeek-R1-Distill-Qwen-1.5B shape (Qwen2, random weights) saved to a local
 directory, so the library's real loading code runs. Timing lives here, never in tests.
@@ -152,39 +153,41 @@ def bench_inference(model_dir: Path) -> dict:
     out = {}
     for micro in (4, 16):
         ids = torch.randint(100, 150000, (micro, 1024), device="cuda")
-
-        run = functools.partial(_logprob_pass, model, ids)
-        run()
-        t = statistics.median(timed(run, 5))
-        out[f"micro_{micro}_tokens_per_s"] = micro * 1024 / t
+        for fused in (False, True):  # eager log-softmax / the compiled kernel (the default)
+            run = functools.partial(_logprob_pass, model, ids, fused)
+            run()
+            t = statistics.median(timed(run, 5))
+            out[f"micro_{micro}_{'fused' if fused else 'eager'}_tokens_per_s"] = micro * 1024 / t
     return out
 
 
 @torch.no_grad()
-def _logprob_pass(model: torch.nn.Module, ids: torch.Tensor) -> None:
+def _logprob_pass(model: torch.nn.Module, ids: torch.Tensor, fused: bool) -> None:
     from rlinf_twoworker.algorithm import token_logprobs
 
     logits = model(input_ids=ids, use_cache=False).logits
-    token_logprobs(logits[:, 255:-1], ids[:, 256:])
+    token_logprobs(logits[:, 255:-1], ids[:, 256:], fused=fused)
 
 
-def _train_step(model: torch.nn.Module, optim: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+def _train_step(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, ids: torch.Tensor, fused: bool
+) -> None:
     from rlinf_twoworker.algorithm import token_logprobs
 
     logits = model(input_ids=ids).logits
-    loss = -token_logprobs(logits[:, :-1], ids[:, 1:]).mean()
+    loss = -token_logprobs(logits[:, :-1], ids[:, 1:], fused=fused).mean()
     loss.backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
 
 
-def fsdp_model(model_dir: Path, activation_checkpointing: bool) -> torch.nn.Module:
-    """The actor's setup on one GPU: fp32 master weights, FSDP2 with bf16 params and fp32
-    gradient reduction (a one-rank process group)."""
+def fsdp_model(model_dir: Path, activation_checkpointing: bool, compiled: bool) -> torch.nn.Module:
+    """The actor's setup on one GPU through the library's own `prepare_for_training`: fp32
+    master weights, FSDP2 with bf16 params and fp32 gradient reduction (a one-rank group)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from rlinf_twoworker.actor import prepare_for_training
     from rlinf_twoworker.models import load_causal_lm
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -192,43 +195,87 @@ def fsdp_model(model_dir: Path, activation_checkpointing: bool) -> torch.nn.Modu
     if not dist.is_initialized():
         dist.init_process_group("nccl", rank=0, world_size=1)
     model = load_causal_lm(model_dir, torch.float32, torch.device("cuda"))
-    model.train()  # from_pretrained returns eval mode, where checkpointing is switched off
-    if activation_checkpointing:
-        model.gradient_checkpointing_enable()
-    model.config.use_cache = False
-    mesh = init_device_mesh("cuda", (1,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
+    return prepare_for_training(
+        model,
+        init_device_mesh("cuda", (1,)),
+        mixed_precision=True,
+        activation_checkpointing=activation_checkpointing,
+        compile_layers=compiled,
+    )
+
+
+ACTOR_VARIANTS = {
+    # name: (compiled layers and log-softmax kernel, activation checkpointing)
+    "eager": (False, False),
+    "default": (True, False),  # the library's default on GPUs
+    "checkpointing": (True, True),
+}
+
+
+def kernel_breakdown(step) -> dict[str, float]:
+    """GPU time of one call of `step` by kernel family, in ms (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    families = {
+        "gemm": ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas"),
+        "attention": ("flash", "fmha", "attention", "efficient"),
+        "triton (compiled elementwise)": ("triton",),
+        "optimizer": ("adam", "multi_tensor"),
+        "copy/cast": ("copy", "cast", "memcpy", "fill"),
+    }
+    out: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
+        if not us or event.key.startswith(("ProfilerStep", "aten::")):
+            continue
+        name = event.key.lower()
+        family = next((f for f, keys in families.items() if any(k in name for k in keys)), "other")
+        out[family] = out.get(family, 0.0) + us / 1000
+    return {k: round(v, 2) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def _or_error(fn, *args):
+    """A diagnostic that must not cost the section its measurements."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def bench_actor(model_dir: Path, peak_tflops: float, quick: bool) -> dict:
-    """Training tokens/s and MFU with the library's default (no activation checkpointing) and
-    with checkpointing on (memory for compute: one more forward in the backward)."""
+    """Training tokens/s and MFU: eager, the library's default (compiled decoder layers and
+    log-softmax kernel), and the default with activation checkpointing (one more forward)."""
     import torch.distributed as dist
 
     out: dict = {}
     batch, seq = (4, 1024) if quick else (8, 2048)
-    for checkpointing in (False, True):
-        model = fsdp_model(model_dir, activation_checkpointing=checkpointing)
+    for name, (compiled, checkpointing) in ACTOR_VARIANTS.items():
+        model = fsdp_model(model_dir, checkpointing, compiled)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
         n_params = sum(p.numel() for p in model.parameters())
         ids = torch.randint(100, 150000, (batch, seq), device="cuda")
-        step = functools.partial(_train_step, model, optim, ids)
+        step = functools.partial(_train_step, model, optim, ids, compiled)
+        warmup = time.perf_counter()
         step()
-        t = statistics.median(timed(step, 3))
+        step()
+        warmup = time.perf_counter() - warmup
+        t = statistics.median(timed(step, 5))
         tokens_s = batch * seq / t
         hardware_flops = (8 if checkpointing else 6) * n_params * tokens_s
         out["params"] = n_params
-        out[f"b{batch}_s{seq}_{'checkpointing' if checkpointing else 'default'}"] = {
+        out[f"b{batch}_s{seq}_{name}"] = {
+            "compiled": compiled,
             "activation_checkpointing": checkpointing,
             "tokens_per_s": tokens_s,
             "step_s": t,
+            "warmup_two_steps_s": warmup,
             "mfu_6N_vs_measured_peak": 6 * n_params * tokens_s / (peak_tflops * 1e12),
             "hardware_flops_utilisation": hardware_flops / (peak_tflops * 1e12),
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "kernel_ms_by_family": _or_error(kernel_breakdown, step),
         }
         del model, optim, step
         gc.collect()
@@ -336,7 +383,9 @@ TOPOLOGIES = {
 }
 
 
-def bench_grpo_step(model_dir: Path, root: Path, steps: int, topology: str = "colocated") -> dict:
+def bench_grpo_step(
+    model_dir: Path, root: Path, steps: int, topology: str = "colocated", extra: tuple = ()
+) -> dict:
     import ray
 
     from rlinf_twoworker.config import load_config
@@ -365,6 +414,7 @@ def bench_grpo_step(model_dir: Path, root: Path, steps: int, topology: str = "co
         "algorithm.logprob_forward_micro_batch_size=16",
         "runner.enable_dynamic_batch_size=true",
         "runner.max_tokens_per_mbs=4096",
+        *extra,
     ]
     cfg = load_config(overrides=overrides)
     t0 = time.perf_counter()
@@ -378,6 +428,7 @@ def bench_grpo_step(model_dir: Path, root: Path, steps: int, topology: str = "co
     stages = {k: statistics.median(r.timings[k] for r in later) for k in later[0].timings}
     return {
         "topology": f"{nodes} node(s) x {gpus} GPU(s), component_placement={placement}",
+        "extra_overrides": list(extra),
         "steps": steps,
         "verification_passed": report.passed,
         "verification_errors": report.errors[:5],
@@ -417,6 +468,9 @@ def main() -> None:
         "weight_sync": lambda: bench_weight_sync(model_dir),
         "grpo_step": lambda: bench_grpo_step(model_dir, root, 3),
         "grpo_step_2gpu": lambda: bench_grpo_step(model_dir, root, 3, "2gpu"),
+        "grpo_step_trim": lambda: bench_grpo_step(
+            model_dir, root, 3, extra=("runner.trim_padding_multiple=128",)
+        ),
         "trl": lambda: bench_trl(model_dir, root),
     }
     for name in args.sections.split(","):

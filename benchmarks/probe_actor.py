@@ -19,7 +19,7 @@ def main(model_dir: str) -> None:
     from rlinf_twoworker.algorithm import ppo_clip_loss
     from rlinf_twoworker.models import SequenceBatch, response_logprobs
 
-    model = fsdp_model(Path(model_dir), activation_checkpointing=False)
+    model = fsdp_model(Path(model_dir), activation_checkpointing=False, compiled=True)
 
     def run(rows: int, with_mask: bool, engine_loss: bool) -> float:
         ids = torch.randint(100, 150000, (rows, 1024), device="cuda")
@@ -34,7 +34,7 @@ def main(model_dir: str) -> None:
 
         def step() -> None:
             if engine_loss:
-                lp = response_logprobs(model, batch)
+                lp = response_logprobs(model, batch, fused=True)
                 loss, _ = ppo_clip_loss(
                     lp, lp.detach(), torch.ones(rows, device="cuda"), batch.response_mask, 0.2
                 )

@@ -8,6 +8,7 @@ minibatch, independent of how rows are split across ranks and micro-batches.
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from rlinf_twoworker.algorithm import lr_at, ppo_clip_loss
 from rlinf_twoworker.config import GRPOConfig
-from rlinf_twoworker.models import SequenceBatch, dtype_for, load_causal_lm, response_logprobs
+from rlinf_twoworker.models import (
+    SequenceBatch,
+    compiler_failed,
+    dtype_for,
+    load_causal_lm,
+    response_logprobs,
+)
 from rlinf_twoworker.weight_sync import export_weights, send_weights
 from rlinf_twoworker.worker import Worker
 
@@ -32,6 +39,42 @@ def micro_batches(cfg: GRPOConfig, rows: int, width: int) -> list[slice]:
     return [slice(begin, begin + size) for begin in range(0, rows, size)]
 
 
+def prepare_for_training(
+    model: Any,
+    mesh: Any,
+    *,
+    mixed_precision: bool,
+    activation_checkpointing: bool,
+    compile_layers: bool,
+) -> Any:
+    """Shard `model` with FSDP2 over `mesh`, one unit per decoder layer plus the root.
+
+    mixed_precision: bf16 parameters in forward/backward, fp32 gradient reduction (the master
+    weights keep the loaded dtype). compile_layers: each decoder layer's forward goes through
+    `torch.compile` (its norms, rotary, SwiGLU and residual adds fuse into few kernels; the
+    GEMMs and attention stay cuBLAS / SDPA); compiled in place, so parameter names, state dicts
+    and checkpoints are those of the eager model. FSDP2's hooks stay outside the compiled code.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model.train()  # from_pretrained returns eval mode, where transformers skips checkpointing
+    if activation_checkpointing:  # transformers >= 5.2x renamed gradient_checkpointing_*
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
+    model.config.use_cache = False
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    for layer in model.model.layers:
+        if compile_layers:
+            layer.compile()
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
 class ActorWorker(Worker):
     """One FSDP2 rank of the policy being trained."""
 
@@ -41,26 +84,24 @@ class ActorWorker(Worker):
         self.optimizer: Any = None
         self.scheduler: Any = None
         self._exported: list[torch.Tensor] = []
+        self.fused = self.device.type == "cuda"  # compiled log-softmax kernel (GPUs only)
+        self.compiled = False  # any compiled code in the update (set by `build`)
 
     def build(self) -> None:
         """Load, shard and set up the optimiser (after `join`, which makes the actor group)."""
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         cfg = self.cfg
         dtype = dtype_for(cfg.actor.model.precision, self.device)
         model = load_causal_lm(cfg.actor.model.model_path, dtype, self.device)
-        if cfg.actor.activation_checkpointing:
-            model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-        mesh = DeviceMesh.from_group(self.actor_group, self.device.type)
-        mp = None
-        if self.device.type == "cuda" and cfg.actor.mixed_precision:
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        kwargs: dict[str, Any] = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
-        for layer in model.model.layers:
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
+        model = prepare_for_training(
+            model,
+            DeviceMesh.from_group(self.actor_group, self.device.type),
+            mixed_precision=self.device.type == "cuda" and cfg.actor.mixed_precision,
+            activation_checkpointing=cfg.actor.activation_checkpointing,
+            compile_layers=self.device.type == "cuda" and cfg.actor.compile_layers,
+        )
+        self.compiled = self.fused or (self.device.type == "cuda" and cfg.actor.compile_layers)
         self.model = model
         optim = cfg.actor.optim
         self.optimizer = torch.optim.AdamW(
@@ -100,7 +141,8 @@ class ActorWorker(Worker):
         sums = torch.zeros(4, dtype=torch.float64)  # loss, clip_fraction, approx_kl, tokens
         for rows in micro_batches(self.cfg, len(batch), batch.input_ids.shape[1]):
             part = batch.rows(rows).to(self.device)
-            logprobs = response_logprobs(self.model, part, self.cfg.runner.trim_padding_multiple)
+            trim = self.cfg.runner.trim_padding_multiple
+            logprobs = response_logprobs(self.model, part, trim, self.fused)
             loss, metrics = ppo_clip_loss(
                 logprobs,
                 old[rows].to(self.device),
@@ -143,14 +185,35 @@ class ActorWorker(Worker):
             "tokens": float(sums[3]),
         }
 
+    def _minibatch_or_eager(self, shard: dict[str, Any]) -> dict[str, float]:
+        """One minibatch; if torch.compile fails on it, warn, go eager for good and redo it
+        (nothing is lost: the optimiser only steps once the whole minibatch succeeded)."""
+        args = (shard["batch"], shard["old_logprobs"], shard["advantages"], shard["norm"])
+        try:
+            return self._minibatch(*args)
+        except Exception as exc:
+            if not (self.compiled and compiler_failed(exc)):
+                raise
+            warnings.warn(
+                f"actor rank {self.rank}: compiled decoder layers / log-softmax kernel failed "
+                f"({type(exc).__name__}: {exc}); training eagerly from now on (set "
+                "actor.compile_layers=false to skip compiling)",
+                stacklevel=2,
+            )
+            self.go_eager()
+            return self._minibatch(*args)
+
+    def go_eager(self) -> None:
+        """Undo `compile_layers` and the fused log-softmax: every later forward runs eagerly."""
+        for layer in self.model.model.layers:
+            layer._compiled_call_impl = None
+        self.fused = self.compiled = False
+
     def train_step(self, shards: list[dict[str, Any]]) -> dict[str, Any]:
         """One GRPO update: one optimiser step per minibatch shard given to this rank."""
         start = time.perf_counter()
         self.model.train()
-        results = [
-            self._minibatch(s["batch"], s["old_logprobs"], s["advantages"], s["norm"])
-            for s in shards
-        ]
+        results = [self._minibatch_or_eager(s) for s in shards]
         keys = ("loss", "clip_fraction", "approx_kl", "grad_norm")
         metrics = {k: sum(r[k] for r in results) / len(results) for k in keys}
         seconds = time.perf_counter() - start

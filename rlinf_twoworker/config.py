@@ -392,6 +392,11 @@ class ActorConfig:
     mixed_precision: bool = True
     """On GPUs: FSDP2 bf16 parameters with fp32 gradient reduction (master weights stay fp32)."""
     activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (less memory, one more
+    forward of compute)."""
+    compile_layers: bool = True
+    """On GPUs: each decoder layer's forward runs through torch.compile (fused elementwise
+    kernels; the first update pays the compilation). Ignored on CPUs."""
 
     def __post_init__(self) -> None:
         _require(

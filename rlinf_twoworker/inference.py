@@ -7,12 +7,19 @@ these are the "old" log-probabilities of the PPO ratio.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import torch
 
 from rlinf_twoworker.config import GRPOConfig
-from rlinf_twoworker.models import SequenceBatch, dtype_for, load_causal_lm, response_logprobs
+from rlinf_twoworker.models import (
+    SequenceBatch,
+    compiler_failed,
+    dtype_for,
+    load_causal_lm,
+    response_logprobs,
+)
 from rlinf_twoworker.worker import PolicyCopy
 
 
@@ -23,15 +30,30 @@ class InferenceWorker(PolicyCopy):
         super().__init__(cfg, "inference", rank)
         self.dtype = dtype_for(cfg.inference.model.precision, self.device)
         self.model = load_causal_lm(cfg.inference.model.model_path, self.dtype, self.device).eval()
+        self.fused = self.device.type == "cuda"  # compiled log-softmax kernel (GPUs only)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch) -> dict[str, Any]:
         start = time.perf_counter()
+        try:
+            logprobs = self._logprobs(batch)
+        except Exception as exc:
+            if not (self.fused and compiler_failed(exc)):
+                raise
+            warnings.warn(
+                f"inference rank {self.rank}: the compiled log-softmax kernel failed "
+                f"({type(exc).__name__}: {exc}); computing it eagerly from now on",
+                stacklevel=2,
+            )
+            self.fused = False
+            logprobs = self._logprobs(batch)
+        return {"logprobs": logprobs, "seconds": time.perf_counter() - start}
+
+    def _logprobs(self, batch: SequenceBatch) -> torch.Tensor:
         micro = self.cfg.algorithm.logprob_forward_micro_batch_size
+        trim = self.cfg.runner.trim_padding_multiple
         parts = []
         for begin in range(0, len(batch), micro):
             rows = batch.rows(slice(begin, begin + micro)).to(self.device)
-            trim = self.cfg.runner.trim_padding_multiple
-            parts.append(response_logprobs(self.model, rows, trim).cpu())
-        logprobs = torch.cat(parts) * batch.response_mask
-        return {"logprobs": logprobs, "seconds": time.perf_counter() - start}
+            parts.append(response_logprobs(self.model, rows, trim, self.fused).cpu())
+        return torch.cat(parts) * batch.response_mask

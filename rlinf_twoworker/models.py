@@ -147,16 +147,29 @@ class SequenceBatch:
         return part, end - p
 
 
-def response_logprobs(model: Any, batch: SequenceBatch, trim_multiple: int = 0) -> torch.Tensor:
+def compiler_failed(exc: BaseException) -> bool:
+    """Whether `exc` comes from torch.compile (Dynamo, Inductor, Triton) rather than the model."""
+    import torch._dynamo.exc
+
+    module = type(exc).__module__ or ""
+    return isinstance(exc, torch._dynamo.exc.TorchDynamoException) or module.startswith(
+        ("triton", "torch._inductor")
+    )
+
+
+def response_logprobs(
+    model: Any, batch: SequenceBatch, trim_multiple: int = 0, fused: bool = False
+) -> torch.Tensor:
     """Log-probabilities of each response token under `model`, shape [B, R] (float32).
 
     With `trim_multiple` >= 1 the forward runs on `batch.trimmed(trim_multiple)`; response
-    columns it drops (padding in every row) come back as 0."""
+    columns it drops (padding in every row) come back as 0. `fused`: the log-softmax runs as
+    a compiled kernel (`token_logprobs`)."""
     from rlinf_twoworker.algorithm import token_logprobs
 
     if trim_multiple >= 1:
         part, kept = batch.trimmed(trim_multiple)
-        out = response_logprobs(model, part)
+        out = response_logprobs(model, part, fused=fused)
         return F.pad(out, (0, batch.responses.shape[1] - kept))
 
     logits = model(
@@ -166,4 +179,4 @@ def response_logprobs(model: Any, batch: SequenceBatch, trim_multiple: int = 0) 
         use_cache=False,
     ).logits
     p = batch.prompt_length
-    return token_logprobs(logits[:, p - 1 : -1], batch.input_ids[:, p:])
+    return token_logprobs(logits[:, p - 1 : -1], batch.input_ids[:, p:], fused=fused)

@@ -66,12 +66,15 @@ def test_token_mean_vs_seq_mean_token_mean():
         agg_loss(loss, mask, "sum")
 
 
-def test_token_logprobs_matches_naive_gather_with_uneven_chunks():
+@pytest.mark.parametrize("fused", [False, True])
+def test_token_logprobs_matches_naive_gather_with_uneven_chunks(fused):
+    """Chunked, and with fused=True the compiled kernel (its backward too), equal the
+    vocabulary-wide log-softmax."""
     torch.manual_seed(0)
     logits = torch.randn(5, 4, 11, requires_grad=True)
     labels = torch.randint(0, 11, (5, 4))
     naive = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    chunked = token_logprobs(logits, labels, chunk_size=2)
+    chunked = token_logprobs(logits, labels, chunk_size=2, fused=fused)
     assert chunked.shape == (5, 4)
     assert torch.allclose(chunked, naive, atol=1e-6)
     (g_naive,) = torch.autograd.grad(naive.sum(), logits)
@@ -79,11 +82,12 @@ def test_token_logprobs_matches_naive_gather_with_uneven_chunks():
     assert torch.allclose(g_chunked, g_naive, atol=1e-6)
 
 
-def test_token_logprobs_computes_low_precision_logits_in_float32():
+@pytest.mark.parametrize("fused", [False, True])
+def test_token_logprobs_computes_low_precision_logits_in_float32(fused):
     torch.manual_seed(1)
     logits = (torch.randn(3, 2, 7) * 5).bfloat16()
     labels = torch.randint(0, 7, (3, 2))
-    out = token_logprobs(logits, labels, chunk_size=8)
+    out = token_logprobs(logits, labels, chunk_size=8, fused=fused)
     expected = torch.log_softmax(logits.float(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     assert out.dtype == torch.float32
     assert torch.allclose(out, expected, atol=1e-6)
