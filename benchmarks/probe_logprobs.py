@@ -31,6 +31,13 @@ def main(model_dir: str | None) -> None:
         return SequenceBatch(ids, mask, torch.ones(rows, 768, device="cuda", dtype=torch.long), 256)
 
     out: dict = {"inference_tokens_per_s": {}, "actor_tokens_per_s": {}}
+
+    def record(table: str, rows: int, fused: bool, run) -> None:
+        run()  # two warm-up calls: compilation, then autotuned kernels
+        run()
+        t = statistics.median(timed(run, 7))
+        out[table][f"rows{rows}_{'fused' if fused else 'eager'}"] = rows * 1024 / t
+
     model_dir = model_dir or str(make_model_dir(Path("/tmp/rlinf-bench")))
     model = load_causal_lm(Path(model_dir), torch.bfloat16, torch.device("cuda")).eval()
     for rows in (1, 4, 16):
@@ -38,12 +45,7 @@ def main(model_dir: str | None) -> None:
         for fused in (False, True):
             torch._dynamo.reset()
             run = torch.no_grad()(functools.partial(response_logprobs, model, data, 0, fused))
-            run()
-            run()
-            t = statistics.median(timed(run, 7))
-            out["inference_tokens_per_s"][f"rows{rows}_{'fused' if fused else 'eager'}"] = (
-                rows * 1024 / t
-            )
+            record("inference_tokens_per_s", rows, fused, run)
         print(json.dumps(out["inference_tokens_per_s"]), flush=True)
     del model
     torch.cuda.empty_cache()
@@ -59,12 +61,7 @@ def main(model_dir: str | None) -> None:
                 loss, _ = ppo_clip_loss(lp, lp.detach(), adv, data.response_mask, 0.2)
                 loss.backward()
 
-            step()
-            step()
-            t = statistics.median(timed(step, 7))
-            out["actor_tokens_per_s"][f"rows{rows}_{'fused' if fused else 'eager'}"] = (
-                rows * 1024 / t
-            )
+            record("actor_tokens_per_s", rows, fused, step)
         print(json.dumps(out["actor_tokens_per_s"]), flush=True)
     print("RESULT=" + json.dumps(out), flush=True)
 
