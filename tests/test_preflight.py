@@ -22,7 +22,8 @@ from rlinf_twoworker.manifest import (
     write_manifest,
 )
 from rlinf_twoworker.placement import bundle_node_ids, create_placement_group, wait_removed
-from rlinf_twoworker.preflight import NodeProbe, compare_nodes, run_preflight
+from rlinf_twoworker.preflight import compare_nodes, run_preflight
+from rlinf_twoworker.probe import NodeProbe
 
 
 def make_inputs(root: Path, seed: bytes = b"a") -> tuple[Path, Path]:

@@ -394,7 +394,7 @@ def test_the_library_runs_no_shell_command_built_from_input():
                     first = node.args[0] if node.args else None
                     assert isinstance(first, (ast.List, ast.Name)), f"{where}: argv not a list"
                     calls.append(where)
-    assert calls  # the preflight's git and nvidia-smi calls were found and checked
+    assert calls  # the probe's git and nvidia-smi calls were found and checked
 
 
 # ---- cancellation and clean-up ---------------------------------------------------------------
