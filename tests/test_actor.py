@@ -3,6 +3,7 @@ falls back to eager training without losing the update."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -13,18 +14,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from rlinf_twoworker.actor import ActorWorker, prepare_for_training
 from rlinf_twoworker.demo import demo_config, make_inputs
 from rlinf_twoworker.models import SequenceBatch, load_causal_lm, response_logprobs
-from rlinf_twoworker.worker import free_port
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """A one-rank gloo world in this process (FSDP2 needs a process group)."""
+    """A one-rank gloo world in this process (FSDP2 needs a process group): a file store and
+    gloo on loopback, so the test process never listens on another interface."""
     root = tmp_path_factory.mktemp("actor")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0, world_size=1
-    )
+    patch = pytest.MonkeyPatch()
+    patch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{root / 'store'}", rank=0, world_size=1)
     yield make_inputs(root / "inputs"), root
     dist.destroy_process_group()
+    gc.collect()  # FSDP modules hold reference cycles that keep the group's sockets open
+    patch.undo()
 
 
 def _batch(rows: int, width: int, prompt: int) -> SequenceBatch:
