@@ -84,8 +84,7 @@ class ActorWorker(Worker):
         self.optimizer: Any = None
         self.scheduler: Any = None
         self._exported: list[torch.Tensor] = []
-        self.fused = self.device.type == "cuda"  # compiled log-softmax kernel (GPUs only)
-        self.compiled = False  # any compiled code in the update (set by `build`)
+        self.compiled = False  # compiled decoder layers and log-softmax (set by `build`)
 
     def build(self) -> None:
         """Load, shard and set up the optimiser (after `join`, which makes the actor group)."""
@@ -94,14 +93,14 @@ class ActorWorker(Worker):
         cfg = self.cfg
         dtype = dtype_for(cfg.actor.model.precision, self.device)
         model = load_causal_lm(cfg.actor.model.model_path, dtype, self.device)
+        self.compiled = self.device.type == "cuda" and cfg.actor.compile
         model = prepare_for_training(
             model,
             DeviceMesh.from_group(self.actor_group, self.device.type),
             mixed_precision=self.device.type == "cuda" and cfg.actor.mixed_precision,
             activation_checkpointing=cfg.actor.activation_checkpointing,
-            compile_layers=self.device.type == "cuda" and cfg.actor.compile_layers,
+            compile_layers=self.compiled,
         )
-        self.compiled = self.fused or (self.device.type == "cuda" and cfg.actor.compile_layers)
         self.model = model
         optim = cfg.actor.optim
         self.optimizer = torch.optim.AdamW(
@@ -142,7 +141,7 @@ class ActorWorker(Worker):
         for rows in micro_batches(self.cfg, len(batch), batch.input_ids.shape[1]):
             part = batch.rows(rows).to(self.device)
             trim = self.cfg.runner.trim_padding_multiple
-            logprobs = response_logprobs(self.model, part, trim, self.fused)
+            logprobs = response_logprobs(self.model, part, trim, self.compiled)
             loss, metrics = ppo_clip_loss(
                 logprobs,
                 old[rows].to(self.device),
@@ -197,17 +196,17 @@ class ActorWorker(Worker):
             warnings.warn(
                 f"actor rank {self.rank}: compiled decoder layers / log-softmax kernel failed "
                 f"({type(exc).__name__}: {exc}); training eagerly from now on (set "
-                "actor.compile_layers=false to skip compiling)",
+                "actor.compile=false to skip compiling)",
                 stacklevel=2,
             )
             self.go_eager()
             return self._minibatch(*args)
 
     def go_eager(self) -> None:
-        """Undo `compile_layers` and the fused log-softmax: every later forward runs eagerly."""
+        """Undo the compiled layers and log-softmax: every later forward runs eagerly."""
         for layer in self.model.model.layers:
-            layer._compiled_call_impl = None
-        self.fused = self.compiled = False
+            layer._compiled_call_impl = None  # what nn.Module.compile() set
+        self.compiled = False
 
     def train_step(self, shards: list[dict[str, Any]]) -> dict[str, Any]:
         """One GRPO update: one optimiser step per minibatch shard given to this rank."""

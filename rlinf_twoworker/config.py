@@ -394,9 +394,10 @@ class ActorConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass (less memory, one more
     forward of compute)."""
-    compile_layers: bool = True
-    """On GPUs: each decoder layer's forward runs through torch.compile (fused elementwise
-    kernels; the first update pays the compilation). Ignored on CPUs."""
+    compile: bool = True
+    """On GPUs: each decoder layer's forward and the log-softmax of the log-probs run through
+    torch.compile (fused elementwise kernels; the first update pays the compilation). If the
+    compiler fails, the actor warns and trains eagerly. Ignored on CPUs."""
 
     def __post_init__(self) -> None:
         _require(
