@@ -8,7 +8,6 @@ minibatch, independent of how rows are split across ranks and micro-batches.
 from __future__ import annotations
 
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +20,10 @@ from rlinf_twoworker.algorithm import lr_at, ppo_clip_loss
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.models import (
     SequenceBatch,
-    compiler_failed,
     dtype_for,
     load_causal_lm,
     response_logprobs,
+    run_or_eager,
 )
 from rlinf_twoworker.weight_sync import export_weights, send_weights
 from rlinf_twoworker.worker import Worker
@@ -188,19 +187,13 @@ class ActorWorker(Worker):
         """One minibatch; if torch.compile fails on it, warn, go eager for good and redo it
         (nothing is lost: the optimiser only steps once the whole minibatch succeeded)."""
         args = (shard["batch"], shard["old_logprobs"], shard["advantages"], shard["norm"])
-        try:
-            return self._minibatch(*args)
-        except Exception as exc:
-            if not (self.compiled and compiler_failed(exc)):
-                raise
-            warnings.warn(
-                f"actor rank {self.rank}: compiled decoder layers / log-softmax kernel failed "
-                f"({type(exc).__name__}: {exc}); training eagerly from now on (set "
-                "actor.compile=false to skip compiling)",
-                stacklevel=2,
-            )
-            self.go_eager()
-            return self._minibatch(*args)
+        return run_or_eager(
+            lambda: self._minibatch(*args),
+            self.compiled,
+            self.go_eager,
+            f"actor rank {self.rank}: compiled decoder layers / log-softmax kernel",
+            "training eagerly from now on (set actor.compile=false to skip compiling)",
+        )
 
     def go_eager(self) -> None:
         """Undo the compiled layers and log-softmax: every later forward runs eagerly."""

@@ -7,7 +7,6 @@ these are the "old" log-probabilities of the PPO ratio.
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -15,10 +14,10 @@ import torch
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.models import (
     SequenceBatch,
-    compiler_failed,
     dtype_for,
     load_causal_lm,
     response_logprobs,
+    run_or_eager,
 )
 from rlinf_twoworker.worker import PolicyCopy
 
@@ -35,19 +34,17 @@ class InferenceWorker(PolicyCopy):
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch) -> dict[str, Any]:
         start = time.perf_counter()
-        try:
-            logprobs = self._logprobs(batch)
-        except Exception as exc:
-            if not (self.fused and compiler_failed(exc)):
-                raise
-            warnings.warn(
-                f"inference rank {self.rank}: the compiled log-softmax kernel failed "
-                f"({type(exc).__name__}: {exc}); computing it eagerly from now on",
-                stacklevel=2,
-            )
-            self.fused = False
-            logprobs = self._logprobs(batch)
+        logprobs = run_or_eager(
+            lambda: self._logprobs(batch),
+            self.fused,
+            self._go_eager,
+            f"inference rank {self.rank}: the compiled log-softmax kernel",
+            "computing it eagerly from now on",
+        )
         return {"logprobs": logprobs, "seconds": time.perf_counter() - start}
+
+    def _go_eager(self) -> None:
+        self.fused = False
 
     def _logprobs(self, batch: SequenceBatch) -> torch.Tensor:
         micro = self.cfg.algorithm.logprob_forward_micro_batch_size

@@ -7,9 +7,11 @@ configured directory, with no hub access: a wrong path fails here with a clear m
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +157,25 @@ def compiler_failed(exc: BaseException) -> bool:
     return isinstance(exc, torch._dynamo.exc.TorchDynamoException) or module.startswith(
         ("triton", "torch._inductor")
     )
+
+
+T = TypeVar("T")
+
+
+def run_or_eager(
+    run: Callable[[], T], compiled: bool, go_eager: Callable[[], None], what: str, then: str
+) -> T:
+    """`run()`; if it has compiled code (`compiled`) and the compiler fails in it, warn
+    "<what> failed (<error>); <then>", call `go_eager` and run it once more. Other errors, and
+    any error of an eager run, propagate. `run` must be safe to repeat after a failure."""
+    try:
+        return run()
+    except Exception as exc:
+        if not (compiled and compiler_failed(exc)):
+            raise
+        warnings.warn(f"{what} failed ({type(exc).__name__}: {exc}); {then}", stacklevel=2)
+        go_eager()
+        return run()
 
 
 def response_logprobs(

@@ -9,7 +9,7 @@ import torch
 
 from rlinf_twoworker.demo import make_inputs
 from rlinf_twoworker.errors import TwoWorkerError
-from rlinf_twoworker.models import SequenceBatch, load_causal_lm, response_logprobs
+from rlinf_twoworker.models import SequenceBatch, load_causal_lm, response_logprobs, run_or_eager
 from rlinf_twoworker.rollout import left_pad, response_mask
 
 
@@ -102,3 +102,43 @@ def test_weights_travel_in_the_rollouts_dtype():
     assert dtype() == "bfloat16"  # the rollout's default precision on GPUs
     assert dtype("rollout.model.precision=fp16") == "float16"
     assert dtype("cluster.accelerator=cpu") == "float32"  # CPUs always run fp32
+
+
+def _broken_backend(graph, example_inputs):
+    raise RuntimeError("this backend cannot compile anything")
+
+
+def test_run_or_eager_redoes_a_compiler_failure_eagerly_and_nothing_else():
+    """The fallback the actor and inference share: a real torch.compile failure warns, goes
+    eager and runs again; a model's own error, or a failure while eager, propagates."""
+    state = {"compiled": True}
+    compiled = torch.compile(lambda x: x * 2 + 1, backend=_broken_backend)
+
+    def run() -> torch.Tensor:
+        x = torch.ones(3)
+        return compiled(x) if state["compiled"] else x * 2 + 1
+
+    def go_eager() -> None:
+        state["compiled"] = False
+
+    with pytest.warns(
+        UserWarning,
+        match=r"(?s)^inference rank 0: the kernel failed \(BackendCompilerFailed: .+\); eager now$",
+    ):
+        out = run_or_eager(run, True, go_eager, "inference rank 0: the kernel", "eager now")
+    assert torch.equal(out, torch.full((3,), 3.0)) and state == {"compiled": False}
+
+    state["compiled"] = True  # a compiler failure in code not marked compiled is not retried
+    with pytest.raises(RuntimeError, match="cannot compile"):
+        run_or_eager(run, False, go_eager, "x", "y")
+    assert state == {"compiled": True}
+
+    calls: list[str] = []
+
+    def model_error() -> None:
+        calls.append("run")
+        raise ValueError("shapes do not match")
+
+    with pytest.raises(ValueError, match="shapes do not match"):
+        run_or_eager(model_error, True, lambda: calls.append("eager"), "x", "y")
+    assert calls == ["run"]
