@@ -144,8 +144,7 @@ class RunController:
         except BaseException as exc:  # every failure must resolve the futures
             watchdog.cancel()
             failure = (exc, "failed")
-            budget = min(5.0, self.cfg.runner.timeouts.failure_detection_s / 4)
-            failure = (await root_cause(self.group, exc, budget), "failed")
+            failure = (await root_cause(self.group, exc, self._poll_s), "failed")
         finally:
             watchdog.cancel()
             if self.group is not None:
@@ -283,13 +282,18 @@ class RunController:
         )
 
     # ---- failure detection -------------------------------------------------------------------
+    @property
+    def _poll_s(self) -> float:
+        """How often the watchdog looks, and how long a failure's root cause is looked for:
+        four looks within runner.timeouts.failure_detection_s, at most every 5 s."""
+        return min(5.0, self.cfg.runner.timeouts.failure_detection_s / 4)
+
     async def _watchdog(self) -> None:
         """Fail the run within runner.timeouts.failure_detection_s when a component's process
         or a node of the placement group dies, even while no call to it is in flight (the
         reward actor dying during the actor update). Calls in flight fail on their own."""
-        period = min(5.0, self.cfg.runner.timeouts.failure_detection_s / 4)
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(self._poll_s)
             error = await liveness_error(self.group, self.bundle_nodes, self.run_id)
             if error is not None and self.task is not None:
                 self.detected = error
