@@ -7,6 +7,7 @@ batched, KV-cached `generate`. Prompts are left-padded so every answer starts at
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -15,8 +16,10 @@ import torch
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.errors import TwoWorkerError
 from rlinf_twoworker.models import SequenceBatch, dtype_for, load_causal_lm, load_tokenizer
-from rlinf_twoworker.sampler import SamplingSettings, StaticSampler, supports
+from rlinf_twoworker.sampler import SamplingSettings, StaticSampler, unsupported_reason
 from rlinf_twoworker.worker import PolicyCopy
+
+logger = logging.getLogger(__name__)
 
 
 def left_pad(
@@ -50,16 +53,34 @@ class RolloutWorker(PolicyCopy):
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         eos_ids = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos_ids = sorted({i for i in [eos, *eos_ids] if i is not None})
-        engine = cfg.rollout.engine
-        if engine == "static" and not supports(self.model):
-            raise TwoWorkerError(
-                f"rollout.engine=static does not support "
-                f"{type(self.model).__name__}; use rollout.engine=hf"
-            )
-        self.static = engine == "static" or (engine == "auto" and supports(self.model))
+        self.static = self._use_static_sampler()
         self.samplers: dict[tuple[int, int], StaticSampler] = {}
 
+    def _use_static_sampler(self) -> bool:
+        """rollout.engine: 'static' when the static sampler can run this model over a whole
+        sequence (raises otherwise), 'auto' falls back to hf with a warning, 'hf' never."""
+        engine = self.cfg.rollout.engine
+        if engine == "hf":
+            return False
+        # Prompts are cut to max_prompt_length, so every sampler is built for this length.
+        max_len = self.cfg.data.max_prompt_length + self.cfg.max_new_tokens
+        reason = unsupported_reason(self.model, max_len)
+        if reason is None:
+            return True
+        where = f"rollout rank {self.rank}, model {self.cfg.rollout.model.model_path}"
+        if engine == "static":
+            raise TwoWorkerError(
+                f"rollout.engine=static ({where}): {reason}; use rollout.engine=hf"
+            )
+        logger.warning(
+            "rollout.engine=auto uses hf, transformers' generate (%s): %s", where, reason
+        )
+        return False
+
     def _sampling_kwargs(self) -> dict[str, Any]:
+        """The sampling settings for either engine, every one passed explicitly: generate()
+        would otherwise take it from the model's generation_config (Qwen2.5-Instruct's sets
+        repetition_penalty=1.05, which the static engine would not apply)."""
         params = self.cfg.algorithm.sampling_params
         vocab = self.model.config.vocab_size
         top_k = params.top_k if 0 < params.top_k < vocab else None
@@ -68,6 +89,7 @@ class RolloutWorker(PolicyCopy):
             "temperature": params.temperature,
             "top_p": params.top_p,
             "top_k": top_k,
+            "repetition_penalty": params.repetition_penalty,
             "max_new_tokens": self.cfg.max_new_tokens,
         }
 

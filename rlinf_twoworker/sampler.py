@@ -8,25 +8,64 @@ step is small-batch and bound by reading the weights, so it is built from few ke
 and gate/up projections run as one GEMM each (`fuse_projections`), decode attention reads the
 grouped KV cache in place (no per-head copies) and on GPUs the elementwise pieces (residual +
 RMSNorm, rotary, masked softmax, SwiGLU) are fused by `torch.compile`. Sampling (temperature,
-top-k, top-p) stays on the GPU. Exactness: greedy decoding gives the same tokens as `generate`
-(tested), sampling draws from the same filtered distribution.
+top-k, top-p, and HF's repetition penalty) stays on the GPU. Exactness: greedy decoding gives
+the same tokens as `generate`, with or without a repetition penalty, and sampling draws from
+softmax(logits / T) at every step (both tested). Attention is full attention: a model whose
+config slides a window shorter than the sequence is refused (`unsupported_reason`).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from rlinf_twoworker.errors import TwoWorkerError
+from rlinf_twoworker.models import run_or_eager
+
 SUPPORTED = ("Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 
 
-def supports(model: Any) -> bool:
-    return type(model).__name__ in SUPPORTED
+def sliding_window(model: Any) -> int | None:
+    """The attention window the model's own forward applies in some layer (None: none). Mistral
+    slides in every layer when `sliding_window` is set; Qwen2 only with `use_sliding_window`,
+    in the layers from `max_window_layers` on (or as its `layer_types` list says)."""
+    cfg = model.config
+    window: int | None = getattr(cfg, "sliding_window", None)
+    if window is None or type(model).__name__ != "Qwen2ForCausalLM":
+        return window
+    if not getattr(cfg, "use_sliding_window", False):
+        return None
+    layer_types = getattr(cfg, "layer_types", None) or [
+        "sliding_attention" if i >= cfg.max_window_layers else "full_attention"
+        for i in range(cfg.num_hidden_layers)
+    ]
+    return window if "sliding_attention" in layer_types else None
+
+
+def unsupported_reason(model: Any, max_len: int) -> str | None:
+    """Why the static sampler cannot run `model` over `max_len` tokens (prompt + answer), or
+    None when it can."""
+    name = type(model).__name__
+    if name not in SUPPORTED:
+        return f"{name} is not one of the static sampler's architectures {SUPPORTED}"
+    window = sliding_window(model)
+    if window is not None and window < max_len:
+        # The sampler attends over the whole cache; the model would not, past the window.
+        return (
+            f"{name} attends through a sliding window of {window} tokens (config sliding_window), "
+            f"shorter than the {max_len} prompt + answer tokens, and the static sampler "
+            "implements full attention only"
+        )
+    return None
+
+
+def supports(model: Any, max_len: int) -> bool:
+    return unsupported_reason(model, max_len) is None
 
 
 @dataclass(frozen=True)
@@ -35,6 +74,9 @@ class SamplingSettings:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    """HF's: logits of tokens already in the row (prompt or answer) are divided by it when
+    positive, multiplied when negative, before temperature / top-k / top-p; 1.0 is off."""
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -126,6 +168,14 @@ def fuse_projections(model: Any) -> list[FusedLayer]:
     return fused
 
 
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """HF's RepetitionPenaltyLogitsProcessor on [B, V] logits, in float32 as HF computes it;
+    `seen`: [B, V] bool, the tokens already in each row."""
+    logits = logits.float()
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
 def pick_tokens(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
     """Next token per row from [B, V] logits (greedy, or sampled after top-k / top-p)."""
     if not s.do_sample:
@@ -150,8 +200,20 @@ def pick_tokens(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
 class StaticSampler:
     """Batched generation with a preallocated cache; one instance per (batch, length) shape."""
 
-    def __init__(self, model: Any, batch: int, max_len: int) -> None:
-        """`model`: a loaded transformers causal LM of a supported architecture."""
+    def __init__(
+        self,
+        model: Any,
+        batch: int,
+        max_len: int,
+        compiled: bool | None = None,
+        backend: str | Callable = "inductor",
+    ) -> None:
+        """`model`: a loaded transformers causal LM of a supported architecture. `compiled`:
+        fuse the elementwise kernels with torch.compile(backend=`backend`); None: on GPUs,
+        unless RLINF_SAMPLER_COMPILE=0."""
+        reason = unsupported_reason(model, max_len)
+        if reason is not None:
+            raise TwoWorkerError(f"static sampler: {reason}; use rollout.engine=hf")
         self.model: Any = model
         self.batch, self.max_len = batch, max_len
         cfg = model.config
@@ -177,25 +239,28 @@ class StaticSampler:
         self.pad = torch.zeros((), dtype=torch.long, device=dev)
         self.eos = torch.zeros(0, dtype=torch.long, device=dev)
         self.eos_ids: tuple[int, ...] = ()
+        # Tokens already in each row, for the repetition penalty: made on its first use, so the
+        # default (no penalty) neither stores nor updates it.
+        self.seen: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_key: tuple | None = None
         # A decode step is hundreds of tiny kernels; on GPUs the elementwise pieces are compiled
         # into fused kernels, which the CUDA graph then replays.
-        self.compiled = dev.type == "cuda" and os.environ.get("RLINF_SAMPLER_COMPILE") != "0"
-        self._set_kernels(self.compiled)
+        if compiled is None:
+            compiled = dev.type == "cuda" and os.environ.get("RLINF_SAMPLER_COMPILE") != "0"
+        self.backend = backend
+        self._set_kernels(compiled)
 
     def _state(self) -> tuple[torch.Tensor, ...]:
-        return (self.tok, self.pos, self.col, self.step, self.done, self.out, self.valid)
+        state = (self.tok, self.pos, self.col, self.step, self.done, self.out, self.valid)
+        return state if self.seen is None else (*state, self.seen)
 
     def _set_kernels(self, compiled: bool) -> None:
         self.compiled = compiled
-        wrap = (lambda f: torch.compile(f, dynamic=False)) if compiled else (lambda f: f)
-        self.norm, self.add_norm = wrap(rms_norm), wrap(add_rms_norm)
-        self.split_rope, self.softmax, self.swiglu = (
-            wrap(split_rope),
-            wrap(masked_softmax),
-            wrap(swiglu),
-        )
+        kernels: tuple[Callable, ...] = (rms_norm, add_rms_norm, split_rope, masked_softmax, swiglu)
+        if compiled:
+            kernels = tuple(torch.compile(k, dynamic=False, backend=self.backend) for k in kernels)
+        self.norm, self.add_norm, self.split_rope, self.softmax, self.swiglu = kernels
 
     def _residual_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module
@@ -265,20 +330,20 @@ class StaticSampler:
         pad_id: int,
         s: SamplingSettings,
     ) -> torch.Tensor:
-        """Left-padded prompts [B, P] -> answers [B, <= max_new], padded with pad_id after EOS."""
-        try:
-            return self._generate(ids, mask, max_new, eos_ids, pad_id, s)
-        except Exception as exc:  # a compiler problem must not stop training: go eager
-            if not self.compiled or isinstance(exc, ValueError):
-                raise
-            warnings.warn(
-                f"compiled sampler kernels failed ({type(exc).__name__}: {exc}); "
-                "running them eagerly",
-                stacklevel=2,
-            )
-            self._set_kernels(False)
-            self.graph = None
-            return self._generate(ids, mask, max_new, eos_ids, pad_id, s)
+        """Left-padded prompts [B, P] -> answers [B, <= max_new], padded with pad_id after EOS.
+        A torch.compile failure switches the kernels to eager with a warning and generates
+        again; every other error (out of memory, the model's own) propagates."""
+        return run_or_eager(
+            lambda: self._generate(ids, mask, max_new, eos_ids, pad_id, s),
+            self.compiled,
+            self._go_eager,
+            "compiled sampler kernels",
+            "running them eagerly",
+        )
+
+    def _go_eager(self) -> None:
+        self._set_kernels(False)
+        self.graph = None  # it replays the compiled kernels
 
     @torch.no_grad()
     def _generate(
@@ -305,8 +370,10 @@ class StaticSampler:
         prefill_mask = (causal.unsqueeze(0) & self.valid.unsqueeze(1)).unsqueeze(1)
         # Rows that are all padding in their first columns still need one visible key.
         prefill_mask[..., :p] |= torch.eye(p, self.max_len, dtype=torch.bool, device=dev)[:, :p]
+        if s.repetition_penalty != 1.0:
+            self._seed_seen(ids, mask)
         logits = self._forward(ids, pos, torch.arange(p, device=dev), prefill_mask)
-        self.tok.copy_(pick_tokens(logits, s).unsqueeze(1))
+        self.tok.copy_(self._pick(logits, s).unsqueeze(1))
         self.pos.copy_(pos[:, -1:] + 1)
         self.col.fill_(p)
         self.step.zero_()
@@ -325,6 +392,25 @@ class StaticSampler:
                 break
         return self.out[:, :steps].cpu()
 
+    def _seed_seen(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """The repetition penalty's [B, V] presence mask, from the real (unpadded) prompt tokens."""
+        if self.seen is None:  # made once: a captured graph holds its address
+            vocab = self.model.lm_head.weight.shape[0]
+            self.seen = torch.zeros(self.batch, vocab, dtype=torch.bool, device=ids.device)
+        self.seen.zero_()
+        rows = torch.arange(self.batch, device=ids.device).unsqueeze(1).expand_as(ids)
+        self.seen[rows[mask], ids[mask]] = True
+
+    def _pick(self, logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
+        """The next token per row; under a repetition penalty, the penalty first and the
+        picked tokens marked seen (graph-safe: fixed shapes, no host sync)."""
+        if s.repetition_penalty == 1.0:
+            return pick_tokens(logits, s)
+        assert self.seen is not None, "_seed_seen runs before the first pick"
+        tokens = pick_tokens(penalize_repeats(logits, self.seen, s.repetition_penalty), s)
+        self.seen.scatter_(1, tokens.unsqueeze(1), True)
+        return tokens
+
     def _step_eager(self, s: SamplingSettings) -> None:
         tok = torch.where(self.done.unsqueeze(1), self.pad, self.tok)
         self.out.index_copy_(1, self.step, tok)
@@ -334,7 +420,7 @@ class StaticSampler:
             ~self.valid, float("-inf")
         )
         logits = self._forward(tok, self.pos, self.col, bias[:, None, None, :])
-        self.tok.copy_(pick_tokens(logits, s).unsqueeze(1))
+        self.tok.copy_(self._pick(logits, s).unsqueeze(1))
         self.pos.add_(1)
         self.col.add_(1)
         self.step.add_(1)

@@ -2,25 +2,70 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import re
+import warnings
+from typing import Any
+
 import pytest
 import torch
 
-from rlinf_twoworker.demo import make_inputs
+from rlinf_twoworker.config import to_typed
+from rlinf_twoworker.demo import build_tokenizer, demo_config, make_inputs
+from rlinf_twoworker.errors import TwoWorkerError
 from rlinf_twoworker.models import load_causal_lm, load_tokenizer
-from rlinf_twoworker.rollout import left_pad
+from rlinf_twoworker.rollout import RolloutWorker, left_pad
 from rlinf_twoworker.sampler import (
     SamplingSettings,
     StaticSampler,
     fuse_projections,
+    penalize_repeats,
     pick_tokens,
+    supports,
 )
 from rlinf_twoworker.weight_sync import weights_digest
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    inputs = make_inputs(tmp_path_factory.mktemp("sampler"))
-    return inputs.model_path
+def demo(tmp_path_factory):
+    # The plain random demo model: the addition tasks' prior answers a digit then EOS, which
+    # would end every answer after two tokens.
+    return make_inputs(tmp_path_factory.mktemp("sampler"), task="arithmetic")
+
+
+@pytest.fixture(scope="module")
+def tiny(demo):
+    return demo.model_path
+
+
+def _tiny_lm(arch: str = "qwen2", vocab: int = 32, logit_scale: float = 1.0, **config: Any) -> Any:
+    """A seeded random fp32 Qwen2 or Mistral model of a few thousand weights. `logit_scale`
+    multiplies the output layer: random init gives nearly flat next-token distributions, on
+    which temperatures barely differ."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_class, model_class = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[arch]
+    cfg = config_class(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        **config,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = model_class(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    return model
 
 
 def _prompts(tokenizer) -> list[list[int]]:
@@ -97,23 +142,6 @@ def test_stops_at_eos_and_pads_after_it(tiny):
         assert all(t == tokenizer.pad_token_id for t in row[first + 1 :].tolist())
 
 
-def test_sampling_matches_the_model_distribution(tiny):
-    torch.manual_seed(0)
-    model = load_causal_lm(tiny, torch.float32, torch.device("cpu")).eval()
-    tokenizer = load_tokenizer(tiny)
-    prompt = tokenizer("What is 3+4?")["input_ids"]
-    rows = 4000
-    ids, mask = left_pad([prompt] * rows, tokenizer.pad_token_id)
-    settings = SamplingSettings(do_sample=True, temperature=0.7)
-    out = StaticSampler(model, rows, ids.shape[1] + 1).generate(ids, mask, 1, [-1], 0, settings)
-    with torch.no_grad():
-        logits = model(input_ids=ids[:1]).logits[0, -1]
-    expected = (logits / 0.7).softmax(-1)
-    seen = torch.bincount(out[:, 0], minlength=expected.numel()).float() / rows
-    # Total variation distance: about sqrt(V / rows) / 2 ~ 0.06 for 66 tokens by chance alone.
-    assert 0.5 * (seen - expected).abs().sum() < 0.1
-
-
 def test_top_k_and_top_p_filter_the_tail():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
     top_k = pick_tokens(logits, SamplingSettings(top_k=2))
@@ -156,3 +184,239 @@ def test_llama_without_projection_biases_matches_generate():
         assert torch.equal(out, ref), act
         assert fuse_projections(model)[0].qkv_bias is None
         assert (fuse_projections(model)[0].gate_up_weight is None) == (act != "silu")
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """Pearson's statistic of token `counts` against probabilities `probs`, and the value it
+    exceeds by chance with probability about 3e-7 (the chi-square quantile at z = 5, by
+    Wilson-Hilferty). Bins expected to hold fewer than 5 tokens are pooled into one."""
+    expected = probs.double() * counts.sum()
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum().view(1)]).double()
+    expected = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = expected > 0
+    statistic = ((observed - expected)[keep] ** 2 / expected[keep]).sum()
+    df = int(keep.sum()) - 1
+    quantile = df * (1 - 2 / (9 * df) + 5 * (2 / (9 * df)) ** 0.5) ** 3
+    return float(statistic), quantile
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_every_decode_step_samples_softmax_of_logits_over_temperature(device):
+    """16000 answers of 8 tokens each, at T = 0.7 and T = 1.0 (on CUDA: compiled kernels and
+    graph replays). At every step the tokens must fit the exact distribution, the mean over
+    rows of softmax(logits / T) for each row's own prefix, and must not fit the other
+    temperature's: a step that dropped or misapplied the temperature fails. Rows are
+    independent and each token is drawn from its row's softmax, so the statistic is at most
+    chi-square distributed (the limit holds)."""
+    model = _tiny_lm(logit_scale=20.0).to(device)
+    rows, steps, prompt = 16000, 8, [3, 9, 17, 4]
+    ids, mask = left_pad([prompt] * rows, pad_id=0)
+    for temperature, other in ((0.7, 1.0), (1.0, 0.7)):
+        torch.manual_seed(1)
+        sampler = StaticSampler(model, rows, len(prompt) + steps)
+        out = sampler.generate(ids, mask, steps, [-1], 0, SamplingSettings(temperature=temperature))
+        assert out.shape == (rows, steps)
+        with torch.no_grad():
+            full = torch.cat([ids, out], 1).to(device)
+            logits = model(input_ids=full).logits[:, len(prompt) - 1 : -1].double().cpu()
+        for step in range(steps):
+            counts = torch.bincount(out[:, step], minlength=logits.shape[-1])
+            right, limit = _chi_square(counts, (logits[:, step] / temperature).softmax(-1).mean(0))
+            wrong, _ = _chi_square(counts, (logits[:, step] / other).softmax(-1).mean(0))
+            assert right < limit, f"T={temperature}, step {step}: chi2 {right:.0f} > {limit:.0f}"
+            # The test's power: the other temperature is rejected with a wide margin.
+            assert wrong > 3 * limit, f"T={temperature}, step {step}: T={other} fits too"
+
+
+def test_repetition_penalty_is_hfs():
+    """penalize_repeats equals transformers' RepetitionPenaltyLogitsProcessor, negative logits
+    (multiplied) and positive ones (divided) alike."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 40, generator=generator) * 3
+    history = torch.randint(0, 40, (3, 12), generator=generator)
+    seen = torch.zeros(3, 40, dtype=torch.bool).scatter_(1, history, True)
+    ref = RepetitionPenaltyLogitsProcessor(1.5)(history, logits.clone())
+    assert torch.equal(penalize_repeats(logits, seen, 1.5), ref)
+    assert not torch.equal(ref, logits)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_greedy_tokens_with_a_repetition_penalty_equal_generate(device):
+    """Each row's reference is generate() on that row alone, unpadded, so the penalty counts
+    exactly its prompt and answer. The pad id is a token the short row emits first: a sampler
+    that counted padding as seen would penalize it. Penalty 1.0 gives other tokens, so the
+    test fails if the penalty is ignored."""
+    model = _tiny_lm(vocab=48, logit_scale=10.0).to(device)
+    prompts, new = [[5, 6, 7, 8, 9, 5, 20, 21], [10, 11], [12, 13, 12, 14, 30]], 16
+    answers = {}
+    for penalty in (1.0, 1.5):
+        refs = torch.stack([_generate_one(model, p, new, penalty) for p in prompts])
+        pad_id = int(refs[1, 0])
+        ids, mask = left_pad(prompts, pad_id, width=10)
+        sampler = StaticSampler(model, len(prompts), 10 + new)
+        settings = SamplingSettings(do_sample=False, repetition_penalty=penalty)
+        for _ in range(2):  # the second call replays the captured graph on CUDA
+            answers[penalty] = sampler.generate(ids, mask, new, [-1], pad_id, settings)
+            assert torch.equal(answers[penalty], refs), penalty
+    assert not torch.equal(answers[1.0], answers[1.5])
+
+
+def _generate_one(model: Any, prompt: list[int], new: int, penalty: float) -> torch.Tensor:
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        repetition_penalty=penalty,
+        max_new_tokens=new,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].cpu()
+
+
+@pytest.mark.parametrize(
+    ("arch", "window", "config", "refused"),
+    [
+        ("qwen2", 16, {"use_sliding_window": True, "max_window_layers": 0}, True),
+        ("qwen2", 16, {"use_sliding_window": True, "max_window_layers": 1}, True),
+        ("qwen2", 16, {"use_sliding_window": True, "max_window_layers": 2}, False),
+        ("qwen2", 40, {"use_sliding_window": True, "max_window_layers": 0}, False),
+        ("qwen2", 16, {"use_sliding_window": False}, False),
+        ("mistral", 16, {}, True),
+        ("mistral", 40, {}, False),
+        ("mistral", None, {}, False),
+    ],
+)
+def test_a_sliding_window_shorter_than_the_sequence_is_refused(arch, window, config, refused):
+    """40 tokens (8 prompt + 32 answer). Qwen2 slides only with use_sliding_window and only from
+    layer max_window_layers on (of 2); Mistral slides whenever sliding_window is set. A refused
+    model's own tokens are not full attention's (refusing is needed); a model let through gives
+    generate's tokens past its window (the refusal is not too wide)."""
+    model = _tiny_lm(arch, logit_scale=10.0, sliding_window=window, **config)
+    assert supports(model, 40) is not refused
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 5, 20, 21], [10, 11, 3]], pad_id=0, width=8)
+    ref = model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=32, pad_token_id=0
+    )[:, 8:]
+    greedy = SamplingSettings(do_sample=False)
+    full_attention = _tiny_lm(arch, logit_scale=10.0, sliding_window=None)  # the same weights
+    out = StaticSampler(full_attention, 2, 40).generate(ids, mask, 32, [-1], 0, greedy)
+    assert torch.equal(out, ref) is not refused
+    if refused:
+        with pytest.raises(TwoWorkerError, match="sliding window of 16 tokens.*rollout.engine=hf"):
+            StaticSampler(model, 2, 40)
+    else:
+        assert torch.equal(
+            StaticSampler(model, 2, 40).generate(ids, mask, 32, [-1], 0, greedy), ref
+        )
+
+
+def _rollout(demo, tmp_path, model_path, *overrides: str) -> RolloutWorker:
+    cfg = demo_config(
+        demo,
+        tmp_path / "runs",
+        "sampler-test",
+        [f"rollout.model.model_path={json.dumps(str(model_path))}", *overrides],
+    )
+    return RolloutWorker(to_typed(cfg))
+
+
+def test_the_engine_falls_back_to_hf_on_a_sliding_window(demo, tmp_path, caplog):
+    """runner.seq_length=96: a 64-token window is refused; auto takes hf with a warning that
+    says why, static stops with a TwoWorkerError that says what to do."""
+    sliding = tmp_path / "sliding"
+    tokenizer = build_tokenizer()
+    window = {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}
+    _tiny_lm(vocab=len(tokenizer), **window).save_pretrained(sliding)
+    with caplog.at_level(logging.WARNING, logger="rlinf_twoworker.rollout"):
+        assert not _rollout(demo, tmp_path, sliding, "rollout.engine=auto").static
+    assert "rollout.engine=auto uses hf" in caplog.text
+    assert "sliding window of 64 tokens" in caplog.text
+    with pytest.raises(TwoWorkerError, match=r"rollout.engine=static .*rollout rank 0.*window"):
+        _rollout(demo, tmp_path, sliding, "rollout.engine=static")
+    assert _rollout(demo, tmp_path, demo.model_path, "rollout.engine=auto").static
+
+
+def test_both_engines_decode_greedily_and_pass_the_repetition_penalty(demo, tmp_path):
+    """do_sample=false is greedy on either engine whatever the temperature, and the hf engine
+    gets the repetition penalty: the two engines' answers agree token for token with it and
+    without it, and the penalty changes them."""
+    tokenizer = load_tokenizer(demo.model_path)
+    prompts = _prompts(tokenizer)
+    answers = {}
+    for engine in ("static", "hf"):
+        for penalty in (1.0, 1.5):
+            worker = _rollout(
+                demo,
+                tmp_path,
+                demo.model_path,
+                f"rollout.engine={engine}",
+                "algorithm.sampling_params.do_sample=false",
+                "algorithm.sampling_params.temperature=0.3",
+                f"algorithm.sampling_params.repetition_penalty={penalty}",
+            )
+            assert worker.static is (engine == "static")
+            seed = 0 if engine == "static" else 1  # greedy: the seed must not matter
+            batch = worker.generate(prompts, seed)["batch"]
+            answers[engine, penalty] = [
+                r[m.bool()].tolist() for r, m in zip(batch.responses, batch.response_mask)
+            ]
+    assert answers["hf", 1.0] == answers["static", 1.0]
+    assert answers["hf", 1.5] == answers["static", 1.5]
+    assert answers["static", 1.0] != answers["static", 1.5]
+
+
+def _broken_backend(graph, example_inputs):
+    raise RuntimeError("this backend cannot compile anything")
+
+
+def test_a_compiler_failure_falls_back_to_eager_with_the_same_tokens(tiny):
+    model = load_causal_lm(tiny, torch.float32, torch.device("cpu")).eval()
+    ids, mask = left_pad([[5, 6, 7, 8], [9, 10]], pad_id=0, width=6)
+    settings = SamplingSettings(do_sample=False)
+    eager = StaticSampler(model, 2, 6 + 12, compiled=False).generate(
+        ids, mask, 12, [-1], 0, settings
+    )
+    torch._dynamo.reset()  # no compiled code cached from another test or backend
+    sampler = StaticSampler(model, 2, 6 + 12, compiled=True, backend=_broken_backend)
+    with pytest.warns(
+        UserWarning, match="(?s)compiled sampler kernels failed.*running them eagerly"
+    ):
+        out = sampler.generate(ids, mask, 12, [-1], 0, settings)
+    assert torch.equal(out, eager)
+    assert not sampler.compiled
+
+
+@pytest.mark.parametrize(
+    "error",
+    [RuntimeError("the model broke"), torch.OutOfMemoryError("CUDA out of memory (test)")],
+    ids=["model-error", "out-of-memory"],
+)
+def test_an_error_that_is_not_the_compilers_propagates(tiny, error):
+    """The kernels compile (Dynamo's eager backend); the model's embedding raises once. A
+    fallback would hide the error and generate again, successfully: it must not happen."""
+    model = load_causal_lm(tiny, torch.float32, torch.device("cpu")).eval()
+    ids, mask = left_pad([[5, 6, 7, 8], [9, 10]], pad_id=0, width=6)
+    torch._dynamo.reset()
+    sampler = StaticSampler(model, 2, 6 + 4, compiled=True, backend="eager")
+    raised = []
+
+    def fail_once(module, args):
+        if not raised:
+            raised.append(error)
+            raise error
+
+    hook = model.model.embed_tokens.register_forward_pre_hook(fail_once)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback's warning fails the test
+            with pytest.raises(type(error), match=re.escape(str(error))):
+                sampler.generate(ids, mask, 4, [-1], 0, SamplingSettings(do_sample=False))
+    finally:
+        hook.remove()
+    assert sampler.compiled
+    out = sampler.generate(ids, mask, 4, [-1], 0, SamplingSettings(do_sample=False))
+    assert out.shape == (2, 4)
