@@ -1,7 +1,10 @@
 """The postflight (SCENARIO.md step 5): read a finished run directory and decide if it succeeded.
 
-A run whose logs show a failure never counts as a success, whatever the platform reported. Only
-files are read (logs, resolved config, TensorBoard events, checkpoint), so the check runs on any
+A run whose logs show a failure never counts as a success, whatever the platform reported. What
+the run must show comes as one `Expected`: inside a run from the request (`expected_from_config`),
+never from the run's own record, so a run that recorded other values fails; after the fact,
+`rlinf-twoworker verify RUN_DIR` takes it from the record (`expected_from_record`). Only files
+are read (logs, resolved config, TensorBoard events, checkpoint), so the check runs on any
 machine that mounts the shared storage: no Ray, no GPU.
 """
 
@@ -11,13 +14,14 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import OmegaConf
 
-from rlinf_twoworker.errors import VerificationError
+from rlinf_twoworker.config import GRPOConfig, load_config, to_typed
+from rlinf_twoworker.errors import TwoWorkerError, VerificationError
 from rlinf_twoworker.metrics import event_files, read_scalars
 from rlinf_twoworker.placement import COMPONENTS, parse_ranks
 from rlinf_twoworker.rundir import (
@@ -39,6 +43,8 @@ REQUIRED_SCALARS = (
     "actor/training/actor/grad_norm",
     "actor/training/actor/lr",
 )
+VALIDATION_SCALARS = ("val/reward_scores", "val/correct_fraction")
+"""Also required when the run validates (data.val_data_paths and runner.val_check_interval > 0)."""
 FATAL_MARKERS = (
     "Traceback (most recent call last)",
     "Error executing job",
@@ -49,6 +55,148 @@ FATAL_MARKERS = (
     "RLINF_PREFLIGHT_STATUS=failed",
 )
 EXIT_CODE = re.compile(r"RLINF_PYTHON_EXIT_CODE=(\S*)")
+PREFLIGHT_PASSED = re.compile(r"^RLINF_PREFLIGHT_STATUS=passed(\s|$)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Expected:
+    """What a run directory must show. Inside a run these are the request's values (the config
+    the caller asked for), never the run's own record."""
+
+    run_id: str
+    """runner.experiment_name, and the run directory's name."""
+    output_root: Path
+    """runner.output_dir: the parent the run directory must have been written under."""
+    target_steps: int
+    """The run's last step: the step-limit line's, and the one every required scalar ends at."""
+    expected_nodes: int
+    """cluster.num_nodes."""
+    checkpoint_step: int | None
+    """The step whose checkpoint must be complete; None: the run saves no checkpoint (RLinf's
+    runner.save_interval=-1 never saves), so the checkpoint is not checked."""
+    max_steps: int | None = None
+    """runner.max_steps in the resolved config; None: target_steps (they differ only when
+    runner.max_epochs ends the run first)."""
+    placement: dict[str, Any] = field(default_factory=lambda: dict(TUTORIAL_PLACEMENT))
+    """cluster.component_placement, types included (a rank is an int, a range the string 'a-b')."""
+    required_tags: tuple[str, ...] = REQUIRED_SCALARS
+    """TensorBoard scalars that must be logged, finite, with their last value at target_steps."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "output_root", Path(self.output_root))
+        object.__setattr__(self, "required_tags", tuple(self.required_tags))
+        _rule(bool(self.run_id) and "/" not in self.run_id, "run_id", self.run_id, "not a run name")
+        _rule(self.target_steps >= 1, "target_steps", self.target_steps, "must be >= 1")
+        _rule(self.expected_nodes >= 1, "expected_nodes", self.expected_nodes, "must be >= 1")
+        step = self.checkpoint_step
+        _rule(
+            step is None or 1 <= step <= self.target_steps,
+            "checkpoint_step",
+            step,
+            f"must be None (no checkpoint) or a step in 1..target_steps ({self.target_steps})",
+        )
+
+    @property
+    def recorded_max_steps(self) -> int:
+        return self.target_steps if self.max_steps is None else self.max_steps
+
+    @property
+    def run_dir(self) -> Path:
+        """Where the run must be: output_root/run_id."""
+        return self.output_root.resolve() / self.run_id
+
+
+def _rule(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"Expected.{name} = {value!r}: {rule}")
+
+
+def expected_from_config(
+    cfg: GRPOConfig, placement: dict[str, Any] | None = None, last_step: int | None = None
+) -> Expected:
+    """What a run of the request `cfg` must show. `placement` is cluster.component_placement as
+    the request gave it (default: cfg's); `last_step` is the step the run ends at (default
+    runner.max_steps; lower when runner.max_epochs ends it first). The checkpoint is the last
+    scheduled one, none when runner.save_interval < 0; validation adds its scalars when the run
+    validates (data.val_data_paths and runner.val_check_interval > 0)."""
+    last = cfg.runner.max_steps if last_step is None else last_step
+    validates = bool(getattr(cfg.data, "val_data_paths", None) or []) and (
+        (getattr(cfg.runner, "val_check_interval", 0) or 0) > 0
+    )
+    return Expected(
+        run_id=cfg.runner.experiment_name,
+        output_root=Path(cfg.runner.output_dir).resolve(),
+        target_steps=last,
+        expected_nodes=cfg.cluster.num_nodes,
+        checkpoint_step=_last_checkpoint_step(cfg, last),
+        max_steps=cfg.runner.max_steps,
+        placement=dict(cfg.cluster.component_placement if placement is None else placement),
+        required_tags=REQUIRED_SCALARS + (VALIDATION_SCALARS if validates else ()),
+    )
+
+
+def _last_checkpoint_step(cfg: GRPOConfig, last: int) -> int | None:
+    if cfg.runner.save_interval < 0:
+        return None
+    from rlinf_twoworker.checkpoint import scheduled_steps  # imports torch: only when needed
+
+    steps = scheduled_steps(cfg, last)
+    return steps[-1] if steps else None
+
+
+def expected_from_record(
+    run_dir: str | Path,
+    target_steps: int | None = None,
+    expected_nodes: int | None = None,
+    placement: dict[str, Any] | None = None,
+) -> Expected:
+    """What `run_dir` must show by its own record (hydra/.hydra/config.yaml), each value given
+    replacing the record's (target_steps: the last step, as `expected_from_config`'s
+    last_step). Raises VerificationError when the record cannot be read."""
+    path = Path(run_dir) / CONFIG_YAML
+    if not Path(run_dir).is_dir():
+        raise VerificationError(
+            f"run directory {run_dir} does not exist; check the RUN_ID and that the shared "
+            "storage is mounted on this machine"
+        )
+    try:
+        if not path.is_file():
+            raise FileNotFoundError("the file does not exist")
+        cfg = load_config(path)
+        recorded = cast(dict[str, Any], OmegaConf.to_container(cfg.cluster.component_placement))
+        expected = expected_from_config(to_typed(cfg), recorded, target_steps)
+    except (TwoWorkerError, OSError, ValueError) as exc:
+        raise VerificationError(
+            f"the run's record {path} cannot be read ({exc}); give the expected values "
+            "instead: the verify command's --target-steps and --expected-nodes (and "
+            "--expected-placement for a placement other than the tutorial's)"
+        ) from exc
+    if expected_nodes is not None:
+        expected = replace(expected, expected_nodes=expected_nodes)
+    if placement is not None:
+        expected = replace(expected, placement=dict(placement))
+    return expected
+
+
+def expected_at(
+    run_dir: str | Path,
+    target_steps: int,
+    expected_nodes: int,
+    placement: dict[str, Any] | None = None,
+) -> Expected:
+    """What `run_dir` must show when only steps, nodes and placement are known: its name is the
+    run id, its parent the output root, the checkpoint is at target_steps, the tutorial's
+    scalars are required and its placement is the default."""
+    path = Path(run_dir).resolve()
+    return Expected(
+        run_id=path.name,
+        output_root=path.parent,
+        target_steps=target_steps,
+        expected_nodes=expected_nodes,
+        checkpoint_step=target_steps,
+        max_steps=target_steps,
+        placement=dict(TUTORIAL_PLACEMENT if placement is None else placement),
+    )
 
 
 @dataclass
@@ -58,6 +206,14 @@ class VerificationReport:
     target_steps: int
     expected_nodes: int
     errors: list[str] = field(default_factory=list)
+    run_id: str = ""
+    output_root: str = ""
+    """The expected run id and output root (the run directory must be output_root/run_id)."""
+    checkpoint_step: int | None = None
+    """The step whose checkpoint was checked; None when the run was expected to save none."""
+    required_tags: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What was not checked, and why (a checkpoint the run was not expected to save)."""
     checkpoint_dir: str | None = None
     checkpoint_files: dict[str, int] = field(default_factory=dict)
     """Path relative to checkpoint_dir -> size in bytes."""
@@ -80,42 +236,68 @@ class VerificationReport:
 
 def verify_run(
     output_dir: str | Path,
-    target_steps: int,
-    expected_nodes: int,
+    target_steps: int | None = None,
+    expected_nodes: int | None = None,
     log: Callable[[str], None] = print,
     write: bool = True,
     expected_placement: dict[str, Any] | None = None,
+    *,
+    expected: Expected | None = None,
 ) -> VerificationReport:
-    """Check the run directory `output_dir` (<output_root>/<RUN_ID>); never raises on a bad run.
+    """Check the run directory `output_dir` (<output_root>/<RUN_ID>) against `expected` (what
+    the request asked for: `expected_from_config`), or, for callers that know only these,
+    against `expected_at(output_dir, target_steps, expected_nodes, expected_placement)`.
+    Never raises on a bad run.
 
-    Logs GRPO_METRIC, ACTOR_FSDP_SHARDS, CHECKPOINT_DIR and RLINF_VERIFICATION_STATUS lines,
-    writes verification.json when `write`, and returns the report (see `require_passed`).
+    Logs GRPO_METRIC, ACTOR_FSDP_SHARDS, CHECKPOINT_DIR, RLINF_VERIFICATION_NOTE and
+    RLINF_VERIFICATION_STATUS lines, writes verification.json when `write`, and returns the
+    report (see `require_passed`).
     """
-    run_dir = Path(output_dir).resolve()
-    report = VerificationReport(False, str(run_dir), target_steps, expected_nodes)
-    if not run_dir.is_dir():
+    if expected is None:
+        if target_steps is None or expected_nodes is None:
+            raise TypeError("verify_run needs expected=, or target_steps and expected_nodes")
+        expected = expected_at(output_dir, target_steps, expected_nodes, expected_placement)
+    elif (target_steps, expected_nodes, expected_placement) != (None, None, None):
+        raise TypeError("verify_run takes expected= or target_steps/expected_nodes, not both")
+    path = Path(output_dir).resolve()
+    report = _new_report(path, expected)
+    if not path.is_dir():
         report.errors.append(
-            f"run directory {run_dir} does not exist; check the RUN_ID and that the shared "
+            f"run directory {path} does not exist; check the RUN_ID and that the shared "
             "storage is mounted on this machine"
         )
-        _log_result(report, log)
-        return report
-    placement = TUTORIAL_PLACEMENT if expected_placement is None else expected_placement
-    report.errors += _check_logs(run_dir, target_steps)
-    report.errors += _check_config(run_dir, report, placement)
-    report.errors += _check_metrics(run_dir, report)
-    # One shard per FSDP actor rank: two in the tutorial's placement ("2-3").
-    min_shards = len(
-        parse_ranks(placement.get("actor", "2-3"), "cluster.component_placement.actor")
-    )
-    report.errors += _check_checkpoint(run_dir, report, min_shards)
-    report.errors += _read_workers(run_dir, report)
+    else:
+        report.errors += _run_checks(path, report, expected)
     report.passed = not report.errors
     _log_result(report, log)
-    if write:
+    if write and path.is_dir():
         text = json.dumps(report.to_dict(), indent=2, sort_keys=True)
-        atomic_write_text(run_dir / VERIFICATION_JSON, text + "\n")
+        atomic_write_text(path / VERIFICATION_JSON, text + "\n")
     return report
+
+
+def _run_checks(run_dir: Path, report: VerificationReport, expected: Expected) -> list[str]:
+    return [
+        *_check_logs(run_dir, expected.target_steps),
+        *_check_config(run_dir, report, expected),
+        *_check_location(run_dir, expected),
+        *_check_metrics(run_dir, report, expected),
+        *_check_checkpoint(run_dir, report, expected),
+        *_check_preflight(run_dir, report),
+    ]
+
+
+def _new_report(run_dir: Path, expected: Expected) -> VerificationReport:
+    return VerificationReport(
+        passed=False,
+        run_dir=str(run_dir),
+        target_steps=expected.target_steps,
+        expected_nodes=expected.expected_nodes,
+        run_id=expected.run_id,
+        output_root=str(expected.output_root),
+        checkpoint_step=expected.checkpoint_step,
+        required_tags=list(expected.required_tags),
+    )
 
 
 def require_passed(report: VerificationReport) -> None:
@@ -132,6 +314,8 @@ def _log_result(report: VerificationReport, log: Callable[[str], None]) -> None:
         log(f"GRPO_METRIC={tag} step={entry['step']} value={entry['value']}")
     log(f"ACTOR_FSDP_SHARDS={report.actor_fsdp_shards}")
     log(f"CHECKPOINT_DIR={report.checkpoint_dir}")
+    for note in report.notes:
+        log(f"RLINF_VERIFICATION_NOTE={note}")
     for error in report.errors:
         log(f"RLINF_VERIFICATION_ERROR={error}")
     if report.passed:
@@ -174,6 +358,12 @@ def _check_logs(run_dir: Path, target_steps: int) -> list[str]:
             f"neither {run_dir / DRIVER_LOG} nor {run_dir / MAIN_LOG} has the line {limit!r}; "
             f"the run stopped before step {target_steps} or ran a different max_steps"
         )
+    if not any(PREFLIGHT_PASSED.match(line.strip()) for line in driver):
+        errors.append(
+            f"{run_dir / DRIVER_LOG} has no line RLINF_PREFLIGHT_STATUS=passed; a run whose "
+            "preflight did not pass (or never ran) does not count: read the log's start and "
+            "preflight.json"
+        )
     return errors
 
 
@@ -210,7 +400,7 @@ def _same(actual: Any, expected: Any) -> bool:
     return type(actual) is type(expected) and actual == expected
 
 
-def _check_config(run_dir: Path, report: VerificationReport, placement: dict) -> list[str]:
+def _check_config(run_dir: Path, report: VerificationReport, expected: Expected) -> list[str]:
     path = run_dir / CONFIG_YAML
     try:
         cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
@@ -223,27 +413,37 @@ def _check_config(run_dir: Path, report: VerificationReport, placement: dict) ->
     report.placement = _resolved_placement(actual_placement, cluster.get("num_gpus_per_node"))
     errors = []
     checks = (
-        ("cluster.num_nodes", cluster.get("num_nodes"), report.expected_nodes),
-        ("cluster.component_placement", actual_placement, placement),
-        ("runner.max_steps", runner.get("max_steps"), report.target_steps),
-        ("runner.experiment_name", runner.get("experiment_name"), run_dir.name),
+        ("cluster.num_nodes", cluster.get("num_nodes"), expected.expected_nodes),
+        ("cluster.component_placement", actual_placement, expected.placement),
+        ("runner.max_steps", runner.get("max_steps"), expected.recorded_max_steps),
+        ("runner.experiment_name", runner.get("experiment_name"), expected.run_id),
     )
-    for key, actual, expected in checks:
-        if not _same(actual, expected):
+    for key, actual, wanted in checks:
+        if not _same(actual, wanted):
             hint = " (types matter: a rank is an int, a range the string 'a-b')" * (
                 key == "cluster.component_placement"
             )
             errors.append(
-                f"{path}: {key} is {actual!r} but the run must have {expected!r}{hint}; the "
+                f"{path}: {key} is {actual!r} but the run must have {wanted!r}{hint}; the "
                 "run used a different config: rerun with the intended overrides"
             )
     output_dir = runner.get("output_dir")
-    if not output_dir or Path(output_dir).resolve() != run_dir.parent:
+    if not output_dir or Path(output_dir).resolve() != expected.output_root.resolve():
         errors.append(
-            f"{path}: runner.output_dir is {output_dir!r} but the run directory's parent is "
-            f"{run_dir.parent}; the run wrote elsewhere or this is a copied directory"
+            f"{path}: runner.output_dir is {output_dir!r} but the run must have been written "
+            f"under {expected.output_root}; the run wrote elsewhere or this is a copied directory"
         )
     return errors
+
+
+def _check_location(run_dir: Path, expected: Expected) -> list[str]:
+    if run_dir == expected.run_dir:
+        return []
+    return [
+        f"run directory {run_dir} is not {expected.run_dir} (the expected output root "
+        f"{expected.output_root} / run id {expected.run_id!r}); verify the directory the run "
+        "wrote, or give the run id and output root it was asked for"
+    ]
 
 
 def _resolved_placement(spec: Any, gpus_per_node: Any) -> dict:
@@ -260,7 +460,7 @@ def _resolved_placement(spec: Any, gpus_per_node: Any) -> dict:
     return resolved
 
 
-def _check_metrics(run_dir: Path, report: VerificationReport) -> list[str]:
+def _check_metrics(run_dir: Path, report: VerificationReport, expected: Expected) -> list[str]:
     directory = run_dir / TENSORBOARD_DIR
     files = event_files(run_dir)
     if not files:
@@ -270,7 +470,7 @@ def _check_metrics(run_dir: Path, report: VerificationReport) -> list[str]:
         ]
     scalars = read_scalars(files)
     errors = []
-    for tag in REQUIRED_SCALARS:
+    for tag in expected.required_tags:
         if not scalars.get(tag):
             errors.append(
                 f"TensorBoard files under {directory} have no scalar {tag!r}; the training step "
@@ -280,27 +480,48 @@ def _check_metrics(run_dir: Path, report: VerificationReport) -> list[str]:
         steps = sorted(scalars[tag])
         values = [scalars[tag][s] for s in steps]
         report.metrics[tag] = {"step": steps[-1], "value": values[-1], "steps": steps}
-        bad = [(s, v) for s, v in zip(steps, values, strict=True) if not math.isfinite(v)]
-        if bad:
-            errors.append(
-                f"TensorBoard scalar {tag!r} under {directory} is not finite at step "
-                f"{bad[0][0]} ({bad[0][1]}); the training diverged: lower actor.optim.lr or "
-                "check the rewards"
-            )
-        if tag.endswith("/lr") and any(not v > 0 for v in values):
-            errors.append(
-                f"TensorBoard scalar {tag!r} under {directory} is not > 0 (values {values}); "
-                "the optimiser did not train: check actor.optim.lr and actor.lr_sched"
-            )
+        where = f"TensorBoard scalar {tag!r} under {directory}"
+        errors += _check_series(where, tag, steps, values, expected.target_steps)
     return errors
 
 
-def _check_checkpoint(run_dir: Path, report: VerificationReport, min_shards: int = 2) -> list[str]:
-    ckpt = checkpoint_dir(run_dir, report.target_steps)
+def _check_series(
+    where: str, tag: str, steps: list[int], values: list[float], target_steps: int
+) -> list[str]:
+    errors = []
+    if steps[-1] != target_steps:
+        errors.append(
+            f"{where} was last logged at step {steps[-1]}, not at the target step "
+            f"{target_steps}; the metric stopped early (or the run ran other steps): check "
+            "log/main.log around that step"
+        )
+    bad = [(s, v) for s, v in zip(steps, values, strict=True) if not math.isfinite(v)]
+    if bad:
+        errors.append(
+            f"{where} is not finite at step {bad[0][0]} ({bad[0][1]}); the training diverged: "
+            "lower actor.optim.lr or check the rewards"
+        )
+    if tag.endswith("/lr") and any(not v > 0 for v in values):
+        errors.append(
+            f"{where} is not > 0 (values {values}); the optimiser did not train: check "
+            "actor.optim.lr and actor.lr_sched"
+        )
+    return errors
+
+
+def _check_checkpoint(run_dir: Path, report: VerificationReport, expected: Expected) -> list[str]:
+    step = expected.checkpoint_step
+    if step is None:
+        report.notes.append(
+            "no checkpoint expected (as with runner.save_interval=-1, which never saves): "
+            "no checkpoint was checked"
+        )
+        return []
+    ckpt = checkpoint_dir(run_dir, step)
     if not ckpt.is_dir():
         return [
             f"checkpoint directory {ckpt} is missing; the run did not save at step "
-            f"{report.target_steps}: check runner.save_interval and log/main.log"
+            f"{step}: check runner.save_interval and log/main.log"
         ]
     report.checkpoint_dir = str(ckpt)
     report.checkpoint_files = {
@@ -310,6 +531,8 @@ def _check_checkpoint(run_dir: Path, report: VerificationReport, min_shards: int
     metadata, data = dcp_dir / ".metadata", ckpt / "data" / "data.pt"
     shards = sorted(dcp_dir.glob("*.distcp"))
     report.actor_fsdp_shards = sum(1 for p in shards if p.stat().st_size > 0)
+    # One shard per FSDP actor rank: two in the tutorial's placement ("2-3").
+    min_shards = _actor_ranks(expected.placement)
     errors = []
     if not metadata.is_file() or metadata.stat().st_size == 0:
         errors.append(
@@ -330,10 +553,20 @@ def _check_checkpoint(run_dir: Path, report: VerificationReport, min_shards: int
     return errors
 
 
-def _read_workers(run_dir: Path, report: VerificationReport) -> list[str]:
+def _actor_ranks(placement: dict[str, Any]) -> int:
+    try:
+        return len(parse_ranks(placement.get("actor"), "cluster.component_placement.actor"))
+    except TwoWorkerError:  # a malformed expected placement fails the config check instead
+        return 1
+
+
+def _check_preflight(run_dir: Path, report: VerificationReport) -> list[str]:
     path = run_dir / PREFLIGHT_JSON
     if not path.is_file():
-        return []
+        return [
+            f"{path} is missing; the preflight never wrote its report, so nothing shows the "
+            "nodes were checked before training: a run without it does not count"
+        ]
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:

@@ -17,9 +17,20 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
+from rlinf_twoworker.cli import build_parser, main
+from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.demo import DemoInputs, demo_config
 from rlinf_twoworker.errors import VerificationError
-from rlinf_twoworker.verify import REQUIRED_SCALARS, require_passed, verify_run
+from rlinf_twoworker.verify import (
+    REQUIRED_SCALARS,
+    VALIDATION_SCALARS,
+    Expected,
+    expected_at,
+    expected_from_config,
+    expected_from_record,
+    require_passed,
+    verify_run,
+)
 
 RUN_ID = "run-1"
 STEPS = 2
@@ -295,6 +306,18 @@ FAILURES = {
         lambda run: (run / "preflight.json").write_text('{"passed": false, "errors": ["gpu"]}'),
         ["preflight.json says the preflight failed"],
     ),
+    "no-preflight-json": (
+        lambda run: (run / "preflight.json").unlink(),
+        ["preflight.json is missing", "does not count"],
+    ),
+    "no-preflight-status": (
+        _drop_lines("driver.log", "RLINF_PREFLIGHT_STATUS"),
+        ["driver.log has no line RLINF_PREFLIGHT_STATUS=passed"],
+    ),
+    "tag-stops-early": (
+        _scalars(grad_norm=[0.0]),
+        ["'actor/training/actor/grad_norm'", "last logged at step 1, not at the target step 2"],
+    ),
 }
 
 
@@ -349,29 +372,199 @@ def test_several_defects_are_all_listed(run_dir: Path) -> None:
     assert "Traceback" in str(info.value) and "data.pt" in str(info.value)
 
 
-def test_verify_command_checks_the_placement_it_is_given(run_dir: Path) -> None:
-    """`rlinf-twoworker verify --expected-placement` verifies runs of other topologies."""
-    from rlinf_twoworker.cli import main
-
+def test_verify_command_reads_the_run_record(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`rlinf-twoworker verify RUN_DIR` takes steps, nodes, placement, run id and output root
+    from hydra/.hydra/config.yaml: a 1-node colocated run passes with no flag at all."""
     colocated = {"rollout": 0, "inference": 0, "actor": "0-1", "reward": 0}
     write_config(run_dir, cluster__num_nodes=1, cluster__component_placement=colocated)
-    common = [
-        "verify",
-        "--output-dir",
-        str(run_dir),
-        "--target-steps",
-        "2",
-        "--expected-nodes",
-        "1",
-    ]
-    assert main(common) == 1  # the tutorial's placement is expected by default
-    assert (
-        main([*common, "--expected-placement", '{rollout:0,inference:0,actor:"0-1",reward:0}']) == 0
+    assert main(["verify", str(run_dir)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "RLINF_VERIFICATION_STATUS=passed"
+    assert json.loads((run_dir / "verification.json").read_text())["expected_nodes"] == 1
+    assert verify_run(run_dir, STEPS, 2, log=lambda _: None, write=False).passed is False
+
+
+def test_verify_command_flags_replace_the_record(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", str(run_dir), "--expected-nodes", "1"]) == 1
+    assert "cluster.num_nodes is 2 but the run must have 1" in capsys.readouterr().out
+    wrong = '{rollout:0,inference:1,actor:"0-1",reward:0}'
+    assert main(["verify", str(run_dir), "--expected-placement", wrong]) == 1
+    assert main(["verify", str(run_dir), "--expected-placement", "[1,2]"]) == 2
+    assert "is not a map" in capsys.readouterr().out
+    # --target-steps moves the step-limit line and the step every metric must end at.
+    assert main(["verify", str(run_dir), "--target-steps", "3"]) == 1
+    out = capsys.readouterr().out
+    assert "max_steps=3 reached" in out and "not at the target step 3" in out
+
+
+def test_verify_command_keeps_output_dir_as_an_alias(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", "--output-dir", str(run_dir)]) == 0
+    assert "--output-dir is deprecated" in capsys.readouterr().err
+    assert main(["verify", str(run_dir), "--output-dir", str(run_dir.parent)]) == 2
+
+
+def test_verify_command_takes_the_checkpoint_schedule_from_the_record(run_dir: Path) -> None:
+    """A run recorded with runner.save_interval=-1 saves no checkpoint, and passes without one."""
+    shutil.rmtree(run_dir / "checkpoints")
+    assert main(["verify", str(run_dir)]) == 1
+    write_config(run_dir, ["runner.save_interval=-1"])
+    assert main(["verify", str(run_dir)]) == 0
+    written = json.loads((run_dir / "verification.json").read_text())
+    assert written["checkpoint_step"] is None and "no checkpoint expected" in written["notes"][0]
+
+
+def test_verify_command_without_a_record_says_to_pass_the_flags(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shutil.rmtree(run_dir / "hydra")
+    assert main(["verify", str(run_dir)]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("RLINF_VERIFICATION_STATUS=failed error=the run's record")
+    assert "config.yaml cannot be read" in out and "--target-steps and --expected-nodes" in out
+    # With the flags the postflight runs, and finds the missing record among its errors.
+    assert main(["verify", str(run_dir), "--target-steps", "2", "--expected-nodes", "2"]) == 1
+    assert "config.yaml cannot be loaded" in capsys.readouterr().out
+
+
+def test_help_describes_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    description = build_parser().description or ""
+    commands = ("run", "demo", "preflight", "verify", "readback", "export-hf", "report")
+    assert all(f"{name}," in description or f"{name}." in description for name in commands)
+    assert description.endswith("report.")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = capsys.readouterr().out
+    assert description in shown and "Exit codes: 0 success" in shown
+
+
+def _expected(run: Path, **changes: Any) -> Expected:
+    values: dict[str, Any] = dict(
+        run_id=RUN_ID,
+        output_root=run.parent,
+        target_steps=STEPS,
+        expected_nodes=2,
+        checkpoint_step=STEPS,
     )
-    assert (
-        main([*common, "--expected-placement", '{rollout:0,inference:1,actor:"0-1",reward:0}']) == 1
+    return Expected(**{**values, **changes})
+
+
+def test_postflight_checks_the_request_not_the_record(run_dir: Path) -> None:
+    lines: list[str] = []
+    assert verify_run(run_dir, expected=_expected(run_dir), log=lines.append).passed
+    assert lines[-1] == "RLINF_VERIFICATION_STATUS=passed"
+    report = verify_run(run_dir, expected=_expected(run_dir, run_id="run-2"), write=False)
+    assert len(report.errors) == 2
+    assert "runner.experiment_name is 'run-1' but the run must have 'run-2'" in report.errors[0]
+    assert f"run directory {run_dir} is not " in report.errors[1]
+    assert "run id 'run-2'" in report.errors[1]
+    elsewhere = run_dir.parent.parent / "other-root"
+    report = verify_run(run_dir, expected=_expected(run_dir, output_root=elsewhere), write=False)
+    assert len(report.errors) == 2
+    assert f"must have been written under {elsewhere}" in report.errors[0]
+    assert f"output root {elsewhere}" in report.errors[1]
+
+
+def test_no_checkpoint_expected_passes_without_one_and_says_so(run_dir: Path) -> None:
+    shutil.rmtree(run_dir / "checkpoints")
+    assert not verify_run(run_dir, expected=_expected(run_dir), log=lambda _: None).passed
+    lines: list[str] = []
+    report = verify_run(
+        run_dir, expected=_expected(run_dir, checkpoint_step=None), log=lines.append
     )
-    assert main([*common, "--expected-placement", "[1,2]"]) == 1
+    assert report.passed, report.errors
+    assert report.checkpoint_step is None and report.checkpoint_dir is None
+    assert "no checkpoint expected" in report.notes[0]
+    assert any(ln.startswith("RLINF_VERIFICATION_NOTE=no checkpoint expected") for ln in lines)
+
+
+def test_added_tags_are_required_up_to_the_target_step(run_dir: Path) -> None:
+    expected = _expected(run_dir, required_tags=REQUIRED_SCALARS + VALIDATION_SCALARS)
+    report = verify_run(run_dir, expected=expected, write=False)
+    assert len(report.errors) == 2
+    assert "no scalar 'val/reward_scores'" in report.errors[0]
+    assert "no scalar 'val/correct_fraction'" in report.errors[1]
+    series = {**_series(), "val/reward_scores": [1.0, 2.0], "val/correct_fraction": [0.5]}
+    write_scalars(run_dir, series)
+    report = verify_run(run_dir, expected=expected, write=False)
+    assert len(report.errors) == 1
+    assert (
+        "'val/correct_fraction'" in report.errors[0] and "last logged at step 1" in report.errors[0]
+    )
+    write_scalars(run_dir, {**series, "val/correct_fraction": [0.5, 0.75]})
+    assert verify_run(run_dir, expected=expected, write=False).passed
+
+
+def test_a_run_that_its_epochs_ended_early_is_checked_at_its_last_step(run_dir: Path) -> None:
+    """runner.max_epochs ended the run at step 2 of runner.max_steps=5: the logs, the metrics and
+    the checkpoint stop at step 2, the record keeps max_steps=5."""
+    write_config(run_dir, ["runner.max_steps=5"])
+    assert not verify_run(run_dir, STEPS, 2, log=lambda _: None, write=False).passed
+    expected = _expected(run_dir, max_steps=5)
+    assert verify_run(run_dir, expected=expected, log=lambda _: None, write=False).passed
+    assert main(["verify", str(run_dir)]) == 1
+    assert main(["verify", str(run_dir), "--target-steps", "2"]) == 0
+
+
+def test_verify_run_takes_expected_or_the_old_arguments_not_both(run_dir: Path) -> None:
+    with pytest.raises(TypeError, match="not both"):
+        verify_run(run_dir, STEPS, expected=_expected(run_dir))
+    with pytest.raises(TypeError, match="needs expected="):
+        verify_run(run_dir)
+
+
+def test_expected_refuses_values_that_cannot_hold(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="Expected.checkpoint_step = 3: must be None"):
+        _expected(tmp_path / RUN_ID, checkpoint_step=3)
+    with pytest.raises(ValueError, match="Expected.target_steps = 0"):
+        _expected(tmp_path / RUN_ID, target_steps=0, checkpoint_step=None)
+
+
+def test_expected_from_config_is_the_request(tmp_path: Path) -> None:
+    cfg = GRPOConfig()
+    cfg.runner.experiment_name, cfg.runner.output_dir = "asked", str(tmp_path / "root")
+    cfg.runner.max_steps, cfg.runner.save_interval, cfg.cluster.num_nodes = 3, 1, 2
+    placement = {"rollout": 0, "inference": 1, "actor": [2, 3], "reward": 0}
+    expected = expected_from_config(cfg, placement)
+    assert expected == Expected(
+        run_id="asked",
+        output_root=tmp_path / "root",
+        target_steps=3,
+        expected_nodes=2,
+        checkpoint_step=3,
+        max_steps=3,
+        placement=placement,
+        required_tags=REQUIRED_SCALARS,
+    )
+    # runner.max_epochs ended the run at step 2: the record still says max_steps=3.
+    ended_early = expected_from_config(cfg, placement, last_step=2)
+    assert (ended_early.target_steps, ended_early.max_steps, ended_early.checkpoint_step) == (
+        2,
+        3,
+        2,
+    )
+    assert expected_from_config(cfg).placement == cfg.cluster.component_placement
+    cfg.runner.save_interval = -1  # RLinf: never save
+    assert expected_from_config(cfg, placement).checkpoint_step is None
+    cfg.data.val_data_paths = [str(tmp_path / "val.jsonl")]  # type: ignore[attr-defined]
+    cfg.runner.val_check_interval = 0  # type: ignore[attr-defined]
+    assert expected_from_config(cfg, placement).required_tags == REQUIRED_SCALARS
+    cfg.runner.val_check_interval = 1  # type: ignore[attr-defined]
+    tags = expected_from_config(cfg, placement).required_tags
+    assert tags == REQUIRED_SCALARS + VALIDATION_SCALARS
+
+
+def test_expected_from_record_reads_the_run_and_takes_replacements(run_dir: Path) -> None:
+    assert expected_from_record(run_dir) == expected_at(run_dir, STEPS, 2)
+    replaced = expected_from_record(run_dir, target_steps=4, expected_nodes=1)
+    assert (replaced.target_steps, replaced.checkpoint_step, replaced.expected_nodes) == (4, 4, 1)
+    assert replaced.max_steps == STEPS  # the record's runner.max_steps
+    with pytest.raises(VerificationError, match="run directory .* does not exist"):
+        expected_from_record(run_dir.parent / "nope")
 
 
 @pytest.mark.parametrize(
