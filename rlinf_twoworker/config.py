@@ -17,9 +17,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rlinf_twoworker.compat import (
+    EngineSettings,
+    FsdpConfig,
+    HydraConfig,
+    LoggerConfig,
+    check_rules,
+)
 from rlinf_twoworker.errors import ConfigError
 from rlinf_twoworker.overrides import (  # noqa: F401  (re-exported: part of the config API)
-    IGNORED_RLINF_KEYS,
     apply_override,
     merge_file,
     omegaconf_reason,
@@ -30,6 +36,11 @@ from rlinf_twoworker.overrides import (  # noqa: F401  (re-exported: part of the
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 COMPONENTS = ("rollout", "reward", "inference", "actor")
 PRECISIONS = ("fp32", "bf16", "fp16")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "global-token-mean")
+"""RLinf's three aggregations (each per micro-batch, as RLinf computes them) and the library's
+true token-mean over the whole minibatch."""
+KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+LR_SCHEDULERS = ("constant", "cosine")
 
 
 def _require(ok: bool, key: str, value: object, rule: str) -> None:
@@ -133,10 +144,21 @@ class RunnerConfig:
     """The RUN_ID: the run directory is output_dir/experiment_name."""
     output_dir: str = "./results"
     """Parent of every run directory (on shared storage in a multi-node cluster)."""
+    task_type: str = "reasoning"
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     max_steps: int = 2
-    """GRPO steps to train (RLinf's runner.max_steps)."""
+    """GRPO steps to train (RLinf's runner.max_steps); the run stops at the earlier of this
+    and the runner.max_epochs limit. RLinf's -1 (epochs only) is refused: the library plans
+    its futures and checkpoints on a known step count."""
+    max_epochs: int = 1
+    """Passes over the training data; an epoch is len(data) // data.rollout_batch_size steps
+    (the last incomplete batch is dropped, as RLinf's loader does)."""
+    val_check_interval: int = 1
+    """With data.val_data_paths: validate every N steps and at the last step; <= 0 never."""
+    per_worker_log: bool = False
+    """Also write one log file per component process: log/<component>-<rank>.log."""
     save_interval: int = 2
-    """Checkpoint every N steps and at the last step; -1 saves only at the last step."""
+    """Checkpoint every N steps and at the last step; -1 never checkpoints (RLinf's meaning)."""
     keep_last_checkpoints: int = 0
     """Keep only the newest K complete checkpoints (0 keeps all)."""
     save_full_weights: bool = False
@@ -145,8 +167,10 @@ class RunnerConfig:
     seq_length: int = 1024
     """Prompt plus answer tokens; max_new_tokens defaults to seq_length - max_prompt_length."""
     enable_dynamic_batch_size: bool = False
-    """Form the actor's micro-batches by token budget (max_tokens_per_mbs) instead of
-    algorithm.training_batch_size_per_gpu rows; the update is the same, fewer passes run."""
+    """Run the actor's forward/backward in micro-batches of up to max_tokens_per_mbs tokens
+    instead of algorithm.training_batch_size_per_gpu rows: fewer, fuller passes. The loss
+    weights stay those of training_batch_size_per_gpu-row micro-batches, so the gradient is
+    the same (see config_notes for how this differs from RLinf)."""
     max_tokens_per_mbs: int = 1024
     """Token budget of one actor micro-batch (rows x padded length) with dynamic batch size."""
     trim_padding_multiple: int = 0
@@ -167,7 +191,14 @@ class RunnerConfig:
             self.experiment_name,
             f"must match {RUN_ID_PATTERN.pattern}",
         )
-        _require(self.max_steps >= 1, "runner.max_steps", self.max_steps, "must be >= 1")
+        _require(
+            self.max_steps >= 1,
+            "runner.max_steps",
+            self.max_steps,
+            "must be >= 1 (RLinf's -1, epochs only, is not supported: give the step count; "
+            "runner.max_epochs still stops the run earlier when the epochs end first)",
+        )
+        _require(self.max_epochs >= 1, "runner.max_epochs", self.max_epochs, "must be >= 1")
         _require(
             self.save_interval == -1 or self.save_interval >= 1,
             "runner.save_interval",
@@ -203,8 +234,14 @@ class SamplingParams:
     top_k: int = 1000000
     """<= 0 or >= the vocabulary size turns top-k off."""
     top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    """HF/SGLang's repetition penalty on every token already in the prompt or the answer:
+    a positive logit is divided by it, a negative one multiplied (1.0 turns it off). As in
+    RLinf, the log-prob recompute does not apply it."""
     max_new_tokens: int | None = None
     """None: runner.seq_length - data.max_prompt_length."""
+    min_new_tokens: int = 1
+    """RLinf's key; RLinf passes it to no engine, so (as there) it has no effect. Must be 1."""
 
     def __post_init__(self) -> None:
         _require(
@@ -217,11 +254,30 @@ class SamplingParams:
             0 < self.top_p <= 1, "algorithm.sampling_params.top_p", self.top_p, "must be in (0, 1]"
         )
         _require(
+            self.repetition_penalty > 0,
+            "algorithm.sampling_params.repetition_penalty",
+            self.repetition_penalty,
+            "must be > 0 (1.0 turns it off)",
+        )
+        _require(
+            self.min_new_tokens == 1,
+            "algorithm.sampling_params.min_new_tokens",
+            self.min_new_tokens,
+            "must be 1: RLinf passes min_new_tokens to no engine, and the library keeps "
+            "that meaning (every answer has at least one token)",
+        )
+        _require(
             self.max_new_tokens is None or self.max_new_tokens >= 1,
             "algorithm.sampling_params.max_new_tokens",
             self.max_new_tokens,
             "must be >= 1",
         )
+
+
+@dataclass(kw_only=True)
+class DownSampling:
+    do_down_sampling: bool = False
+    down_sampling_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -231,17 +287,52 @@ class AlgorithmConfig:
     n_minibatches: int = 4
     """Optimiser steps per GRPO step."""
     training_batch_size_per_gpu: int = 1
-    """Micro-batch size of the actor."""
+    """Rows of one RLinf micro-batch; the loss is aggregated per such micro-batch (see
+    loss_agg_func), whatever micro-batches the library runs for speed."""
     logprob_forward_micro_batch_size: int = 1
     """Micro-batch size of the log-prob recompute."""
     recompute_logprobs: bool = True
     adv_type: str = "grpo"
+    normalize_advantages: bool = False
+    """Whiten the advantages over every valid token of the step's batch (RLinf's
+    masked_normalization: (A - mean) / (std + 1e-5), biased std)."""
+    shuffle_rollout: bool = False
+    """Shuffle the step's answers (seeded by actor.seed and the step) before they are cut
+    into minibatches; groups are then spread over minibatches."""
+    loss_type: str = "actor"
     loss_agg_func: str = "token-mean"
-    """'token-mean' or 'seq-mean-token-mean'."""
+    """How a micro-batch's per-token loss is reduced, as RLinf does it: 'token-mean' (over the
+    micro-batch's valid tokens), 'seq-mean-token-mean', 'seq-mean-token-sum'; each divided by
+    the micro-batches of the rank and averaged over ranks. 'global-token-mean' (the library's)
+    weighs every valid token of the minibatch the same."""
     ratio_clip_eps: float = 0.2
+    clip_ratio_low: float | None = None
+    """Lower clip of the ratio (1 - clip_ratio_low); None: ratio_clip_eps."""
+    clip_ratio_high: float | None = None
+    """Upper clip of the ratio (1 + clip_ratio_high); None: ratio_clip_eps."""
+    clip_ratio_c: float | None = None
+    """Dual clip: a token's loss is at most clip_ratio_c * |A| (binds for A < 0); None off."""
+    clip_log_ratio_min: float | None = None
+    """Clamp log(ratio) from below before exp (None: no clamp)."""
+    clip_log_ratio_max: float | None = None
+    entropy_bonus: float = 0.0
+    """Subtract entropy_bonus x the aggregated entropy of the policy from the loss."""
+    calculate_entropy: bool = True
+    """Compute the policy's entropy (logged as actor/entropy_loss); needed by entropy_bonus."""
+    entropy_op_type: str = "flash_attn"
     kl_beta: float = 0.0
     kl_penalty_type: str = "low_var_kl"
-    """'kl', 'abs', 'mse' or 'low_var_kl' (used when kl_beta > 0)."""
+    """'kl'/'k1', 'abs', 'mse'/'k2' or 'low_var_kl'/'k3' (used when kl_beta > 0)."""
+    max_num_gen_batches: int = 1
+    rollout_batch_size_per_gpu: int | None = None
+    val_rollout_batch_size_per_gpu: int | None = None
+    use_valid_token_scale: bool = True
+    early_stop_imp_ratio: float | None = 5.0
+    importance_sampling_fix: bool = False
+    importance_sampling_clip: float | None = None
+    reinpp_kl_beta: float = 0.0
+    use_reinpp_baseline: bool = False
+    down_sampling: DownSampling = field(default_factory=DownSampling)
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
 
     def __post_init__(self) -> None:
@@ -255,13 +346,31 @@ class AlgorithmConfig:
             _require(value >= 1, f"algorithm.{name}", value, "must be >= 1")
         _require(self.adv_type == "grpo", "algorithm.adv_type", self.adv_type, "must be 'grpo'")
         _require(
-            self.loss_agg_func in ("token-mean", "seq-mean-token-mean"),
+            self.loss_agg_func in LOSS_AGGREGATIONS,
             "algorithm.loss_agg_func",
             self.loss_agg_func,
-            "must be 'token-mean' or 'seq-mean-token-mean'",
+            f"must be one of {', '.join(LOSS_AGGREGATIONS)}",
         )
         _require(
             self.ratio_clip_eps > 0, "algorithm.ratio_clip_eps", self.ratio_clip_eps, "must be > 0"
+        )
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            value = getattr(self, name)
+            _require(value is None or value >= 0, f"algorithm.{name}", value, "must be >= 0")
+        _require(
+            self.clip_ratio_c is None or self.clip_ratio_c > 1,
+            "algorithm.clip_ratio_c",
+            self.clip_ratio_c,
+            "must be > 1 (or null: no dual clip), as RLinf asserts",
+        )
+        _require(
+            self.entropy_bonus >= 0, "algorithm.entropy_bonus", self.entropy_bonus, "must be >= 0"
+        )
+        _require(
+            self.entropy_bonus == 0 or self.calculate_entropy,
+            "algorithm.entropy_bonus",
+            self.entropy_bonus,
+            "needs algorithm.calculate_entropy=true (RLinf applies the bonus only then)",
         )
         _require(
             self.kl_beta == 0,
@@ -277,11 +386,19 @@ class AlgorithmConfig:
             "the old log-probabilities of every answer",
         )
         _require(
-            self.kl_penalty_type in ("kl", "abs", "mse", "low_var_kl"),
+            self.kl_penalty_type in KL_KINDS,
             "algorithm.kl_penalty_type",
             self.kl_penalty_type,
-            "must be one of kl, abs, mse, low_var_kl",
+            f"must be one of {', '.join(KL_KINDS)} (RLinf implements no other)",
         )
+
+    @property
+    def clip_low(self) -> float:
+        return self.ratio_clip_eps if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.ratio_clip_eps if self.clip_ratio_high is None else self.clip_ratio_high
 
 
 @dataclass(kw_only=True)
@@ -290,10 +407,43 @@ class ModelConfig:
     """A local Hugging Face model directory (config.json, tokenizer, *.safetensors)."""
     precision: str = "bf16"
     """Weights dtype of this component on a GPU: fp32, bf16 or fp16 (CPU always uses fp32)."""
+    model_type: str = "qwen2.5"
+    is_lora: bool = False
 
 
 @dataclass(kw_only=True)
-class RolloutConfig:
+class ActorModelConfig(ModelConfig):
+    """The actor's model; besides the path and precision, RLinf's Megatron knobs (no effect on
+    its FSDP actor, as here) and the sequence lengths, which must be runner.seq_length."""
+
+    seq_length: int | None = None
+    """None or runner.seq_length (RLinf's YAML interpolates it)."""
+    encoder_seq_length: int | None = None
+    """None or runner.seq_length: RLinf's FSDP actor takes the answer length from it."""
+    add_bias_linear: bool = False
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    activation: str = "swiglu"
+    sequence_parallel: bool = False
+    recompute_method: str | None = "block"
+    recompute_granularity: str | None = "full"
+    recompute_num_layers: int | None = 20
+    normalization: str = "rmsnorm"
+    position_embedding_type: str = "rope"
+    apply_rope_fusion: bool = True
+    bias_dropout_fusion: bool = False
+    persist_layer_norm: bool = False
+    bias_activation_fusion: bool = False
+    attention_softmax_in_fp32: bool = True
+    batch_p2p_comm: bool = False
+    variable_seq_lengths: bool = True
+    gradient_accumulation_fusion: bool = False
+    moe_token_dispatcher_type: str = "alltoall"
+    use_cpu_initialization: bool = False
+
+
+@dataclass(kw_only=True)
+class RolloutConfig(EngineSettings):
     model: ModelConfig = field(default_factory=ModelConfig)
     max_batch_size: int = 256
     """Most sequences decoded together (prompts x group_size are split into such batches)."""
@@ -317,8 +467,22 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True)
+class TokenizerConfig:
+    tokenizer_model: str | None = None
+    """Tokenizer directory; None uses the component's model directory."""
+    use_fast: bool = True
+    trust_remote_code: bool = True
+    padding_side: str = "right"
+
+
+@dataclass(kw_only=True)
 class InferenceConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """tokenizer_model: None or the actor's tokenizer (one tokenizer for every component)."""
+    group_name: str = "InferenceGroup"
+    load_from_actor: bool = True
+    fsdp_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(
@@ -339,7 +503,28 @@ class OptimConfig:
     adam_eps: float = 1e-5
     weight_decay: float = 0.05
     clip_grad: float = 0.8
-    """Max global grad norm; <= 0 turns clipping off."""
+    """Max global grad norm; <= 0 turns clipping off. A non-finite norm skips the step."""
+    lr_scheduler: str = "constant"
+    """RLinf's FSDP schedule: 'constant' (after the warm-up) or 'cosine' (transformers'
+    cosine-with-min-lr), both with a linear warm-up from 0."""
+    lr_warmup_steps: int = -1
+    """Optimiser steps of warm-up; -1: lr_warmup_steps_ratio x total_training_steps."""
+    lr_warmup_steps_ratio: float = 0.0
+    total_training_steps: int | None = None
+    """Optimiser steps the cosine runs over; None: the run's (max steps x n_minibatches)."""
+    num_cycles: float = 0.5
+    min_lr: float = 0.0
+    """The cosine's floor (ignored when min_lr_rate is set)."""
+    min_lr_rate: float | None = None
+    """The cosine's floor as a fraction of lr."""
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None
+    use_distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    optimizer_enable_pin: bool = False
+    overlap_param_gather_with_optimizer_step: bool = False
 
     def __post_init__(self) -> None:
         _require(
@@ -352,54 +537,48 @@ class OptimConfig:
         _require(
             self.weight_decay >= 0, "actor.optim.weight_decay", self.weight_decay, "must be >= 0"
         )
+        _require(
+            self.lr_scheduler in LR_SCHEDULERS,
+            "actor.optim.lr_scheduler",
+            self.lr_scheduler,
+            f"must be one of {', '.join(LR_SCHEDULERS)}",
+        )
 
 
 @dataclass(kw_only=True)
 class LrSchedConfig:
+    """RLinf's Megatron schedule: no effect on its FSDP actor, nor here (compat.RULES)."""
+
     lr_decay_style: str = "constant"
-    """'constant', 'linear' or 'cosine' (decaying to min_lr over runner.max_steps)."""
     lr_warmup_iters: int = 0
-    """Optimiser steps of linear warm-up from lr_warmup_init."""
     lr_warmup_init: float = 0.0
+    lr_warmup_fraction: float | None = None
+    max_lr: float | None = None
     min_lr: float = 0.0
-
-    def __post_init__(self) -> None:
-        _require(
-            self.lr_decay_style in ("constant", "linear", "cosine"),
-            "actor.lr_sched.lr_decay_style",
-            self.lr_decay_style,
-            "must be constant, linear or cosine",
-        )
-        _require(
-            self.lr_warmup_iters >= 0,
-            "actor.lr_sched.lr_warmup_iters",
-            self.lr_warmup_iters,
-            "must be >= 0",
-        )
-
-
-@dataclass(kw_only=True)
-class TokenizerConfig:
-    tokenizer_model: str | None = None
-    """Tokenizer directory; None uses actor.model.model_path."""
+    lr_decay_iters: int | None = None
 
 
 @dataclass(kw_only=True)
 class ActorConfig:
     seed: int = 1234
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(precision="fp32"))
+    model: ActorModelConfig = field(default_factory=lambda: ActorModelConfig(precision="fp32"))
     optim: OptimConfig = field(default_factory=OptimConfig)
     lr_sched: LrSchedConfig = field(default_factory=LrSchedConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    fsdp_config: FsdpConfig = field(default_factory=FsdpConfig)
+    group_name: str = "ActorGroup"
+    training_backend: str = "fsdp"
+    enable_offload: bool = False
     mixed_precision: bool = True
     """On GPUs: FSDP2 bf16 parameters with fp32 gradient reduction (master weights stay fp32)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass (less memory, one more
-    forward of compute)."""
+    forward of compute). actor.fsdp_config.gradient_checkpointing, when set, decides."""
     compile: bool = True
     """On GPUs: each decoder layer's forward and the log-softmax of the log-probs run through
-    torch.compile (fused elementwise kernels; the first update pays the compilation). If the
-    compiler fails, the actor warns and trains eagerly. Ignored on CPUs."""
+    torch.compile (fused elementwise kernels; the first update pays the compilation); the
+    inference copy compiles the same way, so old and new log-probs come from the same
+    kernels. If the compiler fails, the component warns and runs eagerly. Ignored on CPUs."""
 
     def __post_init__(self) -> None:
         _require(
@@ -409,6 +588,12 @@ class ActorConfig:
             f"must be one of {PRECISIONS}",
         )
 
+    @property
+    def recompute(self) -> bool:
+        """Whether decoder-layer activations are recomputed in the backward pass."""
+        rlinf = self.fsdp_config.gradient_checkpointing
+        return self.activation_checkpointing if rlinf is None else rlinf
+
 
 @dataclass(kw_only=True)
 class DataConfig:
@@ -416,6 +601,14 @@ class DataConfig:
         default_factory=lambda: ["/workspace/dataset/AReaL-boba-106k.jsonl"]
     )
     """JSONL files, one object a line, in the AReaL-boba format."""
+    val_data_paths: list[str] = field(default_factory=list)
+    """Validation JSONL files; with runner.val_check_interval > 0 the policy answers
+    data.val_num_prompts of their prompts every that many steps and at the last step."""
+    val_num_prompts: int | None = None
+    """Validation prompts per validation (the same ones every time, drawn once with
+    data.seed); None: data.rollout_batch_size."""
+    validation_shuffle: bool = True
+    """Draw the validation prompts at random (seeded); false takes the first ones."""
     prompt_key: str = "prompt"
     answer_key: str = "solutions"
     max_prompt_length: int = 256
@@ -426,6 +619,11 @@ class DataConfig:
     seed: int = 1234
     skip_malformed_lines: bool = False
     """Skip (and count) lines that are not valid JSON objects instead of failing."""
+    type: str = "math"
+    dataset_name: str = "boba"
+    val_rollout_batch_size: int | None = None
+    num_workers: int = 2
+    apply_chat_template: bool = False
 
     def __post_init__(self) -> None:
         _require(
@@ -446,6 +644,12 @@ class DataConfig:
             self.rollout_batch_size,
             "must be >= 1",
         )
+        _require(
+            self.val_num_prompts is None or self.val_num_prompts >= 1,
+            "data.val_num_prompts",
+            self.val_num_prompts,
+            "must be >= 1 (or null: data.rollout_batch_size)",
+        )
 
 
 @dataclass(kw_only=True)
@@ -455,12 +659,20 @@ class RewardConfig:
     """A correct answer scores +reward_scale, a wrong one -reward_scale."""
     timeout_s: float = 10.0
     """Per-answer grading timeout; an answer that times out scores as wrong."""
+    group_name: str = "RewardGroup"
+    use_reward_model: bool = False
+    tokenizer: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(
             self.reward_type == "math", "reward.reward_type", self.reward_type, "must be 'math'"
         )
         _require(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0")
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    use_critic_model: bool = False
 
 
 @dataclass(kw_only=True)
@@ -473,6 +685,10 @@ class GRPOConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    hydra: HydraConfig = field(default_factory=HydraConfig)
+    defaults: list[Any] = field(default_factory=list)
+    """Hydra's defaults list of an RLinf YAML file; kept as given, nothing is composed."""
 
     def __post_init__(self) -> None:
         from rlinf_twoworker.placement import resolve_placement
@@ -484,8 +700,19 @@ class GRPOConfig:
             self.data.max_prompt_length,
             f"must be < runner.seq_length ({self.runner.seq_length})",
         )
+        self._check_batches(len(resolve_placement(self.cluster).ranks("actor")))
+        self._check_validation()
+        for key in ("seq_length", "encoder_seq_length"):
+            value = getattr(self.actor.model, key)
+            _require(
+                value is None or value == self.runner.seq_length,
+                f"actor.model.{key}",
+                value,
+                f"must be runner.seq_length ({self.runner.seq_length}) or unset",
+            )
+
+    def _check_batches(self, actor_ranks: int) -> None:
         total = self.data.rollout_batch_size * self.algorithm.group_size
-        actor_ranks = len(resolve_placement(self.cluster).ranks("actor"))
         per_update = total // self.algorithm.n_minibatches
         _require(
             total % self.algorithm.n_minibatches == 0 and per_update % actor_ranks == 0,
@@ -494,6 +721,30 @@ class GRPOConfig:
             f"rollout_batch_size x group_size ({total}) must split into n_minibatches "
             f"equal parts, each divisible by the {actor_ranks} actor ranks",
         )
+        per_rank = per_update // actor_ranks
+        _require(
+            per_rank % self.algorithm.training_batch_size_per_gpu == 0,
+            "algorithm.training_batch_size_per_gpu",
+            self.algorithm.training_batch_size_per_gpu,
+            f"must divide each actor rank's share of a minibatch ({per_rank} answers), as "
+            "RLinf asserts",
+        )
+
+    def _check_validation(self) -> None:
+        interval, save = self.runner.val_check_interval, self.runner.save_interval
+        if self.validates and save > 0:
+            _require(
+                save % interval == 0,
+                "runner.save_interval",
+                save,
+                f"must be a multiple of runner.val_check_interval ({interval}) when the run "
+                "validates, as RLinf asserts",
+            )
+
+    @property
+    def validates(self) -> bool:
+        """Whether the run answers validation prompts (val data given, interval > 0)."""
+        return bool(self.data.val_data_paths) and self.runner.val_check_interval > 0
 
     @property
     def max_new_tokens(self) -> int:
@@ -509,6 +760,23 @@ class GRPOConfig:
     def run_dir(self) -> Path:
         return Path(self.runner.output_dir) / self.runner.experiment_name
 
+    @property
+    def log_dir(self) -> Path:
+        """Where TensorBoard (tensorboard/) goes: runner.logger.log_path, as in RLinf, or the
+        run directory when unset (the tutorial sets it to the run directory)."""
+        log_path = self.runner.logger.log_path
+        return Path(log_path) if log_path else self.run_dir
+
+    @property
+    def hydra_record_dir(self) -> Path | None:
+        """Where RLinf's Hydra would keep its record (hydra.run.dir/hydra.output_subdir), or
+        None when hydra.output_subdir is null. The library writes it there, and always to
+        <run dir>/hydra/.hydra/, which the postflight reads."""
+        if self.hydra.output_subdir is None:
+            return None
+        run = Path(self.hydra.run.dir) if self.hydra.run.dir else self.run_dir / "hydra"
+        return run / self.hydra.output_subdir
+
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> DictConfig:
     """Defaults, then an optional YAML file in RLinf's layout, then Hydra-style overrides.
@@ -518,12 +786,43 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """
     register_rlinf_resolvers()
     cfg = OmegaConf.structured(GRPOConfig)
+    given: set[str] = set()
     if path is not None:
-        cfg = merge_file(cfg, Path(path))
+        cfg = merge_file(cfg, Path(path), given)
     for text in overrides:
-        apply_override(cfg, text)
+        apply_override(cfg, text, given)
     to_typed(cfg)  # runs every __post_init__ rule
+    config_notes(cfg)  # raises on a refused RLinf key
     return cfg
+
+
+def config_notes(cfg: DictConfig) -> list[str]:
+    """How the RLinf keys without a setting of their own were taken (compat.RULES): raises
+    ConfigError for a refused value; returns one note per accepted non-default value, for the
+    run's log."""
+    typed = to_typed(cfg)
+    notes = check_rules(cfg, OmegaConf.structured(GRPOConfig))
+    if typed.hydra.output_subdir is None:
+        notes.append(
+            "hydra.output_subdir=None accepted: RLinf keeps no Hydra record; the library keeps "
+            "the resolved config in <run dir>/hydra/.hydra/ anyway (the postflight reads it)"
+        )
+    if typed.runner.enable_dynamic_batch_size:
+        notes.append(
+            "runner.enable_dynamic_batch_size=True accepted: the actor runs micro-batches of "
+            f"up to runner.max_tokens_per_mbs={typed.runner.max_tokens_per_mbs} tokens for "
+            "speed, and the loss keeps the weights of algorithm.training_batch_size_per_gpu-row "
+            "micro-batches, so the gradient does not change (RLinf refuses dynamic batches in "
+            "its pipeline mode; in its collocated mode it normalises per token-balanced "
+            "micro-batch instead)"
+        )
+    inference_tokenizer = typed.inference.tokenizer.tokenizer_model
+    if inference_tokenizer and inference_tokenizer != typed.tokenizer_path:
+        notes.append(
+            f"inference.tokenizer.tokenizer_model={inference_tokenizer!r} accepted: inference "
+            f"reads token ids only; text is encoded and decoded with {typed.tokenizer_path}"
+        )
+    return notes
 
 
 def to_typed(cfg: DictConfig) -> GRPOConfig:

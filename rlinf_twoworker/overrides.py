@@ -7,7 +7,7 @@ no meaning here are dropped with a logged note; any other unknown key is an erro
 
 from __future__ import annotations
 
-import logging
+import difflib
 import re
 from pathlib import Path
 from typing import Any
@@ -18,117 +18,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rlinf_twoworker.errors import ConfigError
 
-logger = logging.getLogger("rlinf_twoworker.config")
-
-# RLinf keys that exist in its YAML files but have no meaning here (other engines, Megatron
-# knobs, Hydra plumbing). They are dropped from a loaded file with a note instead of an error,
-# so RLinf's own config files load unchanged; any other unknown key is an error.
-IGNORED_RLINF_KEYS = (
-    "defaults",
-    "hydra",
-    "critic",
-    "runner.task_type",
-    "actor.tokenizer.use_fast",
-    "actor.tokenizer.trust_remote_code",
-    "actor.tokenizer.padding_side",
-    "runner.logger",
-    "runner.max_epochs",
-    "runner.val_check_interval",
-    "algorithm.rollout_batch_size_per_gpu",
-    "algorithm.val_rollout_batch_size_per_gpu",
-    "algorithm.shuffle_rollout",
-    "algorithm.max_num_gen_batches",
-    "algorithm.loss_type",
-    "algorithm.entropy_bonus",
-    "algorithm.calculate_entropy",
-    "algorithm.clip_ratio_c",
-    "algorithm.clip_ratio_low",
-    "algorithm.clip_ratio_high",
-    "algorithm.normalize_advantages",
-    "algorithm.early_stop_imp_ratio",
-    "algorithm.use_valid_token_scale",
-    "algorithm.sampling_params.repetition_penalty",
-    "algorithm.sampling_params.min_new_tokens",
-    "inference.group_name",
-    "inference.load_from_actor",
-    "inference.tokenizer",
-    "inference.fsdp_config",
-    "rollout.group_name",
-    "rollout.gpu_memory_utilization",
-    "rollout.enforce_eager",
-    "rollout.distributed_executor_backend",
-    "rollout.disable_log_stats",
-    "rollout.detokenize",
-    "rollout.padding",
-    "rollout.eos",
-    "rollout.rollout_backend",
-    "rollout.sglang",
-    "rollout.vllm",
-    "rollout.return_logprobs",
-    "rollout.tensor_parallel_size",
-    "rollout.pipeline_parallel_size",
-    "rollout.validate_save_dir",
-    "rollout.print_outputs",
-    "rollout.sglang_decode_log_interval",
-    "rollout.max_running_requests",
-    "rollout.cuda_graph_max_bs",
-    "rollout.use_torch_compile",
-    "rollout.torch_compile_max_bs",
-    "data.type",
-    "data.dataset_name",
-    "data.val_rollout_batch_size",
-    "data.num_workers",
-    "data.apply_chat_template",
-    "data.validation_shuffle",
-    "data.val_data_paths",
-    "actor.group_name",
-    "actor.training_backend",
-    "actor.enable_offload",
-    "actor.fsdp_config",
-    "actor.model.model_type",
-    "actor.model.add_bias_linear",
-    "actor.model.is_lora",
-    "actor.model.tensor_model_parallel_size",
-    "actor.model.pipeline_model_parallel_size",
-    "actor.model.activation",
-    "actor.model.sequence_parallel",
-    "actor.model.recompute_method",
-    "actor.model.recompute_granularity",
-    "actor.model.recompute_num_layers",
-    "actor.model.seq_length",
-    "actor.model.encoder_seq_length",
-    "actor.model.normalization",
-    "actor.model.position_embedding_type",
-    "actor.model.apply_rope_fusion",
-    "actor.model.bias_dropout_fusion",
-    "actor.model.persist_layer_norm",
-    "actor.model.bias_activation_fusion",
-    "actor.model.attention_softmax_in_fp32",
-    "actor.model.batch_p2p_comm",
-    "actor.model.variable_seq_lengths",
-    "actor.model.gradient_accumulation_fusion",
-    "actor.model.moe_token_dispatcher_type",
-    "actor.model.use_cpu_initialization",
-    "actor.optim.bf16",
-    "actor.optim.fp16",
-    "actor.optim.min_lr",
-    "actor.optim.use_distributed_optimizer",
-    "actor.optim.overlap_grad_reduce",
-    "actor.optim.overlap_param_gather",
-    "actor.optim.optimizer_enable_pin",
-    "actor.optim.overlap_param_gather_with_optimizer_step",
-    "actor.optim.loss_scale",
-    "actor.lr_sched.lr_warmup_fraction",
-    "actor.lr_sched.max_lr",
-    "actor.lr_sched.lr_decay_iters",
-    "reward.group_name",
-    "reward.use_reward_model",
-    "reward.tokenizer",
-    "rollout.model.model_type",
-    "inference.model.model_type",
-    "inference.model.is_lora",
-)
-
 
 def register_rlinf_resolvers() -> None:
     # RLinf's YAML files use these resolvers (max_new_tokens, return_logprobs).
@@ -136,17 +25,6 @@ def register_rlinf_resolvers() -> None:
         OmegaConf.register_resolver("subtract", lambda a, b: a - b)
     if not OmegaConf.has_resolver("not"):
         OmegaConf.register_resolver("not", lambda a: not a)
-
-
-def _drop_ignored(raw: DictConfig) -> list[str]:
-    dropped = []
-    for dotted in IGNORED_RLINF_KEYS:
-        parent_key, _, leaf = dotted.rpartition(".")
-        parent = OmegaConf.select(raw, parent_key) if parent_key else raw
-        if isinstance(parent, DictConfig) and leaf in parent:
-            parent.pop(leaf)
-            dropped.append(dotted)
-    return dropped
 
 
 class _HydraScalarLoader(yaml.SafeLoader):
@@ -224,19 +102,46 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return kind, key, value
 
 
-def apply_override(cfg: DictConfig, text: str) -> None:
+def apply_override(cfg: DictConfig, text: str, given: set[str] | None = None) -> None:
+    """Apply one override. `given` holds the keys the user's file and earlier overrides set:
+    as on Hydra's command line, `+key` adds a key and fails on one the user already gave; a
+    key that only has its schema default may be added (RLinf's command lines add with `+`
+    keys its YAML lacks, such as runner.per_worker_log)."""
+    given = set() if given is None else given
     kind, key, value = parse_override(text)
     exists = OmegaConf.select(cfg, key, default=_MISSING) is not _MISSING
     if kind == "~":
         raise ConfigError(key, text, "deleting keys is not supported: every key has a default")
-    if kind == "+" and exists:
-        raise ConfigError(key, value, "'+' adds a new key but this key exists; drop the '+'")
-    if kind == "" and not exists:
-        raise ConfigError(key, value, "unknown config key (see docs/config.md for every key)")
+    if kind == "+" and key in given:
+        raise ConfigError(
+            key, value, "'+' adds a new key but this key was given already; drop the '+'"
+        )
+    if not exists:
+        raise ConfigError(key, value, unknown_key_rule(cfg, key))
     try:
         OmegaConf.update(cfg, key, value, merge=False)
     except OmegaConfBaseException as exc:
         raise ConfigError(key, value, omegaconf_reason(exc)) from exc
+    given.add(key)
+
+
+def schema_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the config (leaves and sections)."""
+    keys = []
+    for name in cfg:
+        dotted = f"{prefix}{name!s}"
+        keys.append(dotted)
+        child = cfg._get_node(name)  # no interpolation is resolved here
+        if isinstance(child, DictConfig):
+            keys.extend(schema_keys(child, dotted + "."))
+    return keys
+
+
+def unknown_key_rule(cfg: DictConfig, key: str) -> str:
+    """'unknown config key', with the closest known key when one is close."""
+    close = difflib.get_close_matches(key, schema_keys(cfg), n=1, cutoff=0.8)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"unknown config key{hint} (see docs/config.md for every key)"
 
 
 _MISSING = object()
@@ -249,7 +154,8 @@ def omegaconf_reason(exc: OmegaConfBaseException) -> str:
     return first
 
 
-def merge_file(cfg: DictConfig, path: Path) -> DictConfig:
+def merge_file(cfg: DictConfig, path: Path, given: set[str] | None = None) -> DictConfig:
+    """Merge an RLinf-layout YAML file into `cfg`; its keys are added to `given`."""
     if not path.is_file():
         raise ConfigError("--config", str(path), "the config file does not exist")
     try:
@@ -258,11 +164,6 @@ def merge_file(cfg: DictConfig, path: Path) -> DictConfig:
         raise ConfigError("--config", str(path), f"the file is not valid YAML ({exc})") from exc
     if not isinstance(raw, DictConfig):
         raise ConfigError("--config", str(path), "the file must hold a mapping (RLinf's layout)")
-    dropped = _drop_ignored(raw)
-    if dropped:
-        logger.info(
-            "%s: RLinf keys with no meaning here were dropped: %s", path, ", ".join(dropped)
-        )
     # Section by section, so that an error OmegaConf reports without a key names its section.
     for section in list(raw.keys()):
         try:
@@ -272,7 +173,12 @@ def merge_file(cfg: DictConfig, path: Path) -> DictConfig:
             value = getattr(exc, "value", None)
             if value is None:  # an unknown key's error carries no value
                 value = OmegaConf.select(raw, key, default=None, throw_on_missing=False)
-            raise ConfigError(f"{key} (in {path})", value, omegaconf_reason(exc)) from exc
+            reason = omegaconf_reason(exc)
+            if reason.startswith("unknown config key"):
+                reason = unknown_key_rule(cfg, key)
+            raise ConfigError(f"{key} (in {path})", value, reason) from exc
         assert isinstance(merged, DictConfig)  # merging into a DictConfig keeps its type
         cfg = merged
+    if given is not None:
+        given.update(schema_keys(raw))
     return cfg

@@ -8,8 +8,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlinf_twoworker.config import (
-    IGNORED_RLINF_KEYS,
     GRPOConfig,
+    config_notes,
     load_config,
     parse_override,
     to_typed,
@@ -379,10 +379,22 @@ def test_list_override():
     assert list(cfg.data.train_data_paths) == ["/a/x.jsonl", "/b/y.jsonl"]
 
 
-def test_plus_on_an_existing_key_is_an_error():
-    err = error_of(["+runner.max_steps=3"])
+def test_plus_on_a_key_given_already_is_an_error(rlinf_yaml: Path):
+    """As on Hydra's command line: `+` adds a key; one the user's file or an earlier override
+    set already exists there."""
+    err = error_of(["runner.max_steps=2", "+runner.max_steps=3"])
     assert err.key == "runner.max_steps" and err.value == 3
-    assert "exists" in err.rule
+    assert "given already" in err.rule
+    err = error_of(["+runner.max_steps=3"], rlinf_yaml)  # RLinf's YAML has max_steps
+    assert err.key == "runner.max_steps"
+
+
+def test_plus_adds_a_key_the_users_config_lacks(rlinf_yaml: Path):
+    """RLinf's command lines add keys its YAML lacks with `+` (the tutorial's
+    +runner.per_worker_log=true); the schema has them with a default."""
+    cfg = to_typed(load_config(rlinf_yaml, TUTORIAL_OVERRIDES_23 + ["cluster.num_gpus_per_node=2"]))
+    assert cfg.runner.per_worker_log is True
+    assert cfg.actor.fsdp_config.save_full_model_weights is False
 
 
 @pytest.mark.parametrize(
@@ -438,18 +450,124 @@ def test_rlinf_yaml_loads_with_tutorial_overrides(rlinf_yaml: Path):
     assert training_settings(typed) == EXPECTED_SETTINGS
     assert typed.algorithm.sampling_params.max_new_tokens == 768  # via ${subtract:...}
     assert typed.rollout.model.precision == "fp16"  # the file's value, not the default
-    for section, key in [
-        ("actor.tokenizer", "trust_remote_code"),
-        ("rollout", "sglang"),
-        ("rollout", "return_logprobs"),
-        ("actor", "fsdp_config"),
-        ("runner", "logger"),
-        ("inference", "tokenizer"),
-        ("reward", "tokenizer"),
-    ]:
-        assert key not in OmegaConf.select(cfg, section), f"{section}.{key} should be dropped"
-    for key in ("defaults", "hydra", "critic"):
-        assert key not in cfg
+    # every key of the file is kept as given: the resolved config records the user's keys
+    assert cfg.actor.tokenizer.trust_remote_code is True
+    assert cfg.rollout.sglang.attention_backend == "triton"
+    assert cfg.actor.fsdp_config.mixed_precision.param_dtype == "fp16"
+    assert cfg.runner.logger.project_name == "rlinf"
+    assert cfg.hydra.run.dir == "." and cfg.hydra.output_subdir is None
+    assert cfg.critic.use_critic_model is False
+    assert list(cfg.defaults)[0] == "../training_backend/fsdp@inference.fsdp_config"
+
+
+def test_every_rlinf_key_without_a_setting_has_one_rule():
+    """compat.RULES names each key once, and every rule's key is in the schema."""
+    from rlinf_twoworker.compat import RULES
+
+    keys = [r.key for r in RULES]
+    assert len(keys) == len(set(keys))
+    schema = OmegaConf.structured(GRPOConfig)
+    missing = [k for k in keys if OmegaConf.select(schema, k, default=KeyError) is KeyError]
+    assert missing == []
+
+
+# The tutorial's Driver overrides exactly as SCENARIO.md lists them (23).
+RUN_ROOT = "/mnt/shared/runs/two-worker-grpo-pipeline"
+TUTORIAL_OVERRIDES_23 = [
+    "hydra.job.chdir=false",
+    f"hydra.run.dir={RUN_ROOT}/rid-01/hydra",
+    "hydra.output_subdir=.hydra",
+    "cluster.num_nodes=2",
+    "runner.max_epochs=1",
+    "runner.max_steps=2",
+    "runner.val_check_interval=1",
+    "runner.save_interval=2",
+    f"runner.output_dir={RUN_ROOT}",
+    "runner.experiment_name=rid-01",
+    f"runner.logger.log_path={RUN_ROOT}/rid-01",
+    "runner.logger.experiment_name=rid-01",
+    "+runner.per_worker_log=true",
+    f"inference.model.model_path={MODEL}",
+    f"inference.tokenizer.tokenizer_model={MODEL}",
+    f"rollout.model.model_path={MODEL}",
+    f"actor.model.model_path={MODEL}",
+    f"actor.tokenizer.tokenizer_model={MODEL}",
+    "+actor.fsdp_config.save_full_model_weights=false",
+    "data.train_data_paths=[/data/AReaL-boba-106k.jsonl]",
+    "data.val_data_paths=[/data/AReaL-boba-106k.jsonl]",
+    "data.seed=1234",
+    "actor.seed=1234",
+]
+
+
+@pytest.mark.parametrize("override", TUTORIAL_OVERRIDES_23)
+def test_each_tutorial_override_loads_on_its_own(override: str):
+    load_config(overrides=[override])
+
+
+def test_the_tutorial_overrides_load_together_and_mean_rlinfs_settings():
+    cfg = load_config(overrides=TUTORIAL_OVERRIDES_23)
+    typed = to_typed(cfg)
+    assert typed.run_dir == Path(RUN_ROOT) / "rid-01"
+    assert typed.log_dir == typed.run_dir
+    assert typed.hydra_record_dir == typed.run_dir / "hydra" / ".hydra"
+    assert typed.validates and typed.runner.val_check_interval == 1
+    assert typed.runner.per_worker_log and typed.runner.max_epochs == 1
+    assert typed.tokenizer_path == MODEL
+    assert config_notes(cfg) == [
+        "runner.logger.experiment_name='rid-01' accepted: a wandb/swanlab run name; it changes "
+        "no result"
+    ]
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("hydra.job.chdir=true", "hydra.job.chdir"),
+        ("algorithm.loss_type=decoupled_actor_critic", "algorithm.loss_type"),
+        ("algorithm.max_num_gen_batches=2", "algorithm.max_num_gen_batches"),
+        ("algorithm.importance_sampling_fix=true", "algorithm.importance_sampling_fix"),
+        ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size"),
+        ("runner.logger.logger_backends=[wandb]", "runner.logger.logger_backends"),
+        ("actor.fsdp_config.cpu_offload=true", "actor.fsdp_config.cpu_offload"),
+        ("data.val_rollout_batch_size=4", "data.val_rollout_batch_size"),
+        ("runner.task_type=embodied", "runner.task_type"),
+    ],
+)
+def test_rlinf_values_the_library_does_not_do_are_refused_by_name(override: str, key: str):
+    err = error_of([override])
+    assert err.key == key and "must be" in err.rule
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("rollout.gpu_memory_utilization=0.9", "SGLang/vLLM engine"),
+        ("algorithm.use_valid_token_scale=false", "Megatron"),
+        ("actor.lr_sched.lr_decay_style=cosine", "actor.optim.lr_scheduler"),
+        ("runner.logger.project_name=x", "project name"),
+    ],
+)
+def test_rlinf_keys_without_effect_are_accepted_with_a_note(override: str, fragment: str):
+    notes = config_notes(load_config(overrides=[override]))
+    key = override.split("=")[0].replace(".lr_decay_style", "")  # a section's rule names it
+    assert len(notes) == 1 and notes[0].startswith(key) and fragment in notes[0]
+
+
+def test_rlinf_algorithm_keys_take_rlinfs_meaning(rlinf_yaml: Path, tmp_path: Path):
+    path = tmp_path / "algo.yaml"
+    path.write_text(
+        rlinf_yaml.read_text()
+        .replace("clip_ratio_high: null", "clip_ratio_high: 0.28")
+        .replace("entropy_bonus: 0.0", "entropy_bonus: 0.01")
+        .replace("repetition_penalty: 1.0", "repetition_penalty: 1.3")
+        .replace("clip_ratio_c: null", "clip_ratio_c: 3.0")
+    )
+    typed = to_typed(load_config(path, ["cluster.num_gpus_per_node=4"]))
+    algo = typed.algorithm
+    assert (algo.clip_low, algo.clip_high, algo.clip_ratio_c) == (0.2, 0.28, 3.0)
+    assert algo.entropy_bonus == 0.01
+    assert algo.sampling_params.repetition_penalty == 1.3
 
 
 def test_rlinf_yaml_interpolations_follow_overrides(rlinf_yaml: Path):
@@ -505,16 +623,6 @@ def test_malformed_file_is_a_config_error_naming_the_file(
 def test_missing_file_is_an_error(tmp_path: Path):
     err = error_of([], tmp_path / "nope.yaml")
     assert str(tmp_path / "nope.yaml") in str(err)
-
-
-def test_ignored_rlinf_keys_never_shadow_a_schema_key():
-    schema = OmegaConf.structured(GRPOConfig)
-    shadowed = [
-        k
-        for k in IGNORED_RLINF_KEYS
-        if OmegaConf.select(schema, k, default=KeyError) is not KeyError
-    ]
-    assert shadowed == []
 
 
 def test_file_value_of_a_schema_key_rlinf_also_has_is_kept(tmp_path: Path):
