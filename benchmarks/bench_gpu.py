@@ -200,7 +200,7 @@ def fsdp_model(model_dir: Path, activation_checkpointing: bool, compiled: bool) 
         init_device_mesh("cuda", (1,)),
         mixed_precision=True,
         activation_checkpointing=activation_checkpointing,
-        compile_layers=compiled,
+        compiled=compiled,
     )
 
 

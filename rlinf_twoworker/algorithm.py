@@ -1,4 +1,4 @@
-"""GRPO's maths as pure functions: advantages, masking, log-probs, the clipped loss, the lr schedule.
+"""GRPO's maths as pure functions: advantages, masking, log-probs, loss weights, the clipped loss.
 
 No Ray, no I/O, no global state: every function here is tested on small hand-computed tensors, so
 the actor only wires them together. Conventions follow RLinf/verl so that losses and metrics are
@@ -7,16 +7,13 @@ comparable with the reference runs.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
-KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
-LR_STYLES = ("constant", "linear", "cosine")
-# exp() of a log-ratio beyond this overflows in low precision; verl clamps at the same bound.
-_LOG_RATIO_BOUND = 20.0
+from rlinf_twoworker.config import KL_KINDS, LOSS_AGGREGATIONS
 
 
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
@@ -59,141 +56,195 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return masked_sum(x, mask, dim) / count.clamp(min=1.0)
 
 
-def _picked_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
+def normalize_advantages(advantages: Tensor, mask: Tensor, eps: float = 1e-5) -> Tensor:
+    """RLinf's `algorithm.normalize_advantages`: token-level advantages whitened over the valid
+    tokens of the whole batch, (A - mean) / (sqrt(biased var) + eps), in float64."""
+    valid = mask.bool()
+    values = advantages.double()[valid]
+    if values.numel() == 0:
+        return advantages
+    mean = values.mean()
+    var = (values - mean).square().mean()
+    out = (advantages.double() - mean) / (var.sqrt() + eps)
+    return (out * valid).to(advantages.dtype)
+
+
+def _logprobs_entropy(logits: Tensor, labels: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     x = logits.float()
-    return x.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
+    if temperature != 1.0:
+        x = x / temperature
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (x.softmax(-1) * x).sum(-1)
+    return picked, entropy
 
 
 # The same arithmetic as one generated kernel each way: the forward reads the low-precision
 # logits once, and the backward writes their gradient directly, with no float32 copy of the
 # vocabulary-wide tensor in between. Compiled lazily, at the first call with fused=True.
-_fused_picked_logprobs = torch.compile(_picked_logprobs, dynamic=None)
+_fused_logprobs_entropy = torch.compile(_logprobs_entropy, dynamic=None)
 
 
 def token_logprobs(
-    logits: Tensor, labels: Tensor, chunk_size: int = 8, fused: bool = False
-) -> Tensor:
-    """log softmax(logits)[b, t, labels[b, t]] in float32, as [B, T].
+    logits: Tensor,
+    labels: Tensor,
+    chunk_size: int = 8,
+    fused: bool = False,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """log softmax(logits / temperature)[b, t, labels[b, t]] in float32, as [B, T]; with
+    `with_entropy` also the entropy of each position's distribution (RLinf computes both from
+    the temperature-scaled logits).
 
     A [B, T, V] float32 log-softmax of a 152k vocabulary is gigabytes, so rows are processed
-    `chunk_size` at a time and only the gathered logit minus the logsumexp is kept. Gradients
-    flow back into `logits`. fused=True computes each chunk with a `torch.compile`d kernel
-    (same result; meant for GPUs, where it saves the float32 round trips through memory).
+    `chunk_size` at a time and only the per-token values are kept. Gradients flow back into
+    `logits`. fused=True computes each chunk with a `torch.compile`d kernel (same result;
+    meant for GPUs, where it saves the float32 round trips through memory).
     """
     if logits.shape[:2] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} differ")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    kernel = _fused_picked_logprobs if fused else _picked_logprobs
-    out = [
-        kernel(logits[start : start + chunk_size], labels[start : start + chunk_size])
+    kernel = _fused_logprobs_entropy if fused else _logprobs_entropy
+    parts = [
+        kernel(logits[start : start + chunk_size], labels[start : start + chunk_size], temperature)
         for start in range(0, logits.shape[0], chunk_size)
     ]
-    return torch.cat(out, dim=0)
+    logprobs = torch.cat([p[0] for p in parts], dim=0)
+    if not with_entropy:
+        return logprobs
+    return logprobs, torch.cat([p[1] for p in parts], dim=0)
 
 
-def agg_loss(loss_mat: Tensor, mask: Tensor, agg: str) -> Tensor:
-    """Reduce a [B, T] per-token loss to a scalar.
+def loss_weights(mask: Tensor, micro_batches: Sequence[Sequence[slice]], agg: str) -> Tensor:
+    """Per-token weights [B, T] of one minibatch: the loss the optimiser steps on is
+    sum(weights * per-token loss) over every token of the minibatch, all ranks together.
 
-    token-mean: every valid token weighs the same, sum(loss * mask) / sum(mask).
-    seq-mean-token-mean: every sequence weighs the same: the mean over sequences (those with at
-    least one valid token) of each sequence's token mean.
+    `micro_batches[r]` lists the row slices that form RLinf's micro-batches on actor rank r.
+    RLinf aggregates each micro-batch on its own (`loss_agg_func`), divides it by the number
+    of micro-batches of its rank (gradient accumulation) and FSDP averages the ranks; the
+    weights say the same thing token by token, so the library may run the forward and backward
+    in any other micro-batches (a token budget, say) and get the same gradient:
+      token-mean          mask / (valid tokens of the micro-batch)
+      seq-mean-token-mean mask / (valid tokens of the row) / (rows of the micro-batch)
+      seq-mean-token-sum  mask / (rows of the micro-batch)
+    each times 1 / (micro-batches of the rank x ranks). global-token-mean (the library's own)
+    is mask / (valid tokens of the whole minibatch): every token weighs the same.
     """
-    if agg == "token-mean":
-        return masked_mean(loss_mat, mask)
-    if agg == "seq-mean-token-mean":
-        per_seq = masked_mean(loss_mat, mask, dim=-1)
-        has_tokens = mask.to(loss_mat.dtype).sum(dim=-1) > 0
-        return masked_mean(per_seq, has_tokens)
-    raise ValueError(f"algorithm.loss_agg_func={agg!r} must be one of {LOSS_AGGREGATIONS}")
+    if agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"algorithm.loss_agg_func={agg!r} must be one of {LOSS_AGGREGATIONS}")
+    valid = mask.to(torch.float64)
+    if agg == "global-token-mean":
+        return (valid / valid.sum().clamp(min=1.0)).float()
+    weights = torch.zeros_like(valid)
+    ranks = len(micro_batches)
+    for parts in micro_batches:
+        for rows in parts:
+            part = valid[rows]
+            if agg == "token-mean":
+                share = part / part.sum().clamp(min=1.0)
+            elif agg == "seq-mean-token-mean":
+                share = part / part.sum(-1, keepdim=True).clamp(min=1.0) / part.shape[0]
+            else:
+                share = part / part.shape[0]
+            weights[rows] = share / (len(parts) * ranks)
+    return weights.float()
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
-    """Per-token KL(pi || ref) estimate of the given kind, as in verl.
+    """Per-token KL estimate of RLinf's `kl_penalty(logprob, ref_logprob, kind)`.
 
-    kl: log-ratio (k1); abs: |log-ratio|; mse: 0.5 * log-ratio^2 (k2); low_var_kl: the unbiased,
-    non-negative k3 = exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10] because a single
-    token with a huge ratio would otherwise dominate the loss.
+    kl / k1: logp - ref; abs: |logp - ref|; mse / k2: 0.5 (logp - ref)^2; low_var_kl / k3:
+    with d = clamp(ref - logp, -20, 20), clamp(exp(d) - d - 1, -10, 10) (non-negative).
     """
     log_ratio = logprobs - ref_logprobs
-    if kind == "kl":
+    if kind in ("kl", "k1"):
         return log_ratio
     if kind == "abs":
         return log_ratio.abs()
-    if kind == "mse":
+    if kind in ("mse", "k2"):
         return 0.5 * log_ratio.square()
-    if kind == "low_var_kl":
-        kl = (-log_ratio).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
-        return (kl.exp() - kl - 1).clamp(-10.0, 10.0)
+    if kind in ("low_var_kl", "k3"):
+        d = (-log_ratio).clamp(-20.0, 20.0)
+        return (d.exp() - d - 1).clamp(-10.0, 10.0)
     raise ValueError(f"algorithm.kl_penalty_type={kind!r} must be one of {KL_KINDS}")
 
 
-def ppo_clip_loss(
+@dataclass(frozen=True)
+class PolicyLoss:
+    """RLinf's PPO actor loss settings (`compute_ppo_actor_loss` and its caller)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_c: float | None = None
+    """Dual clip: the loss of a token is at most clip_c * |A| (binds for A < 0)."""
+    log_ratio_min: float | None = None
+    log_ratio_max: float | None = None
+    entropy_bonus: float = 0.0
+    kl_beta: float = 0.0
+    kl_type: str = "low_var_kl"
+
+
+def ppo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
-    mask: Tensor,
-    clip_eps: float,
-    agg: str = "token-mean",
-    kl_beta: float = 0.0,
+    weights: Tensor,
+    metric_weights: Tensor,
+    settings: PolicyLoss,
+    entropy: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
-    kl_penalty_type: str = "low_var_kl",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO's clipped surrogate loss (to minimise) and detached metrics.
+    """The loss to minimise, sum(weights * per-token loss), and detached metric sums.
 
-    Per token: ratio = exp(logp - old_logp); loss = max(-A * ratio, -A * clip(ratio, 1 +- eps)).
-    `advantages` is [B] (one per answer, broadcast over its tokens) or [B, T]. With kl_beta > 0,
-    kl_beta * agg(kl_penalty(logp, ref_logp)) is added. Metrics: pg_loss; ratio_mean;
-    clip_fraction, the share of valid tokens where the clipped branch is the larger one (its
-    gradient is zero there); approx_kl, the masked mean of 0.5 * (logp - old_logp)^2 (k2, which
-    is never negative, unlike the k1 mean); kl_loss when the KL term is on.
+    Per token (RLinf): log_ratio = logp - old (clamped to log_ratio_min/max when set),
+    ratio = exp(log_ratio); L = max(-A ratio, -A clip(ratio, 1 - clip_low, 1 + clip_high)),
+    then min(L, clip_c |A|) with a dual clip; minus entropy_bonus * entropy, plus
+    kl_beta * kl_penalty(logp, ref). `advantages` is [B] (one per answer) or [B, T].
+
+    Metrics are sums over this part's tokens weighted by `metric_weights` (RLinf's per
+    micro-batch token-means, averaged over micro-batches and ranks, so summing every part of
+    a minibatch gives RLinf's value): policy_loss, ratio_mean, clip_fraction, dual_clip_fraction,
+    approx_kl (mean of old - logp, k1), entropy_loss, kl_loss; ratio_max is a max.
     """
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
-    log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
-    ratio = log_ratio.exp()
+    valid = metric_weights > 0
+    log_ratio = logprobs - old_logprobs
+    if settings.log_ratio_min is not None:
+        log_ratio = log_ratio.clamp(min=settings.log_ratio_min)
+    if settings.log_ratio_max is not None:
+        log_ratio = log_ratio.clamp(max=settings.log_ratio_max)
+    ratio = torch.where(weights > 0, log_ratio.exp(), 0.0)
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
-    pg_loss = agg_loss(torch.maximum(unclipped, clipped), mask, agg)
-    loss = pg_loss
-    metrics = {
-        "pg_loss": pg_loss.detach(),
-        "ratio_mean": masked_mean(ratio.detach(), mask),
-        "clip_fraction": masked_mean((clipped > unclipped).detach().float(), mask),
-        "approx_kl": masked_mean(0.5 * (logprobs - old_logprobs).detach().square(), mask),
-    }
-    if kl_beta > 0:
+    clipped = -adv * ratio.clamp(1.0 - settings.clip_low, 1.0 + settings.clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(valid)
+    if settings.clip_c is not None:
+        bound = settings.clip_c * adv.abs()
+        dual = (bound < per_token).detach()
+        per_token = torch.minimum(per_token, bound)
+    policy = (weights * per_token).sum()
+    loss = policy
+    with torch.no_grad():
+        live_ratio = torch.where(valid, log_ratio.exp(), 0.0)
+        metrics = {
+            "policy_loss": policy.detach(),
+            "ratio_mean": (metric_weights * live_ratio).sum(),
+            "ratio_max": live_ratio.max() if bool(valid.any()) else live_ratio.new_zeros(()),
+            "clip_fraction": (metric_weights * (unclipped < clipped)).sum(),
+            "dual_clip_fraction": (metric_weights * dual).sum(),
+            "approx_kl": -(metric_weights * log_ratio).sum(),
+        }
+    if entropy is not None:
+        entropy_loss = (weights * entropy).sum()
+        if settings.entropy_bonus > 0:
+            loss = loss - settings.entropy_bonus * entropy_loss
+        metrics["entropy_loss"] = entropy_loss.detach()
+    if settings.kl_beta > 0:
         if ref_logprobs is None:
             raise ValueError("algorithm.kl_beta > 0 needs ref_logprobs (the reference policy's)")
-        kl_loss = agg_loss(kl_penalty(logprobs, ref_logprobs, kl_penalty_type), mask, agg)
-        loss = loss + kl_beta * kl_loss
+        kl_loss = (weights * kl_penalty(logprobs, ref_logprobs, settings.kl_type)).sum()
+        loss = loss + settings.kl_beta * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
     return loss, metrics
-
-
-def lr_at(
-    step: int,
-    base_lr: float,
-    style: str,
-    warmup_iters: int,
-    warmup_init: float,
-    min_lr: float,
-    total_steps: int,
-) -> float:
-    """Learning rate of optimiser step `step` (0-based).
-
-    Linear warm-up from warmup_init (at step 0) to base_lr (at step warmup_iters), as Megatron and
-    Hugging Face do; then constant, or a linear/cosine decay that reaches min_lr at total_steps
-    (the run's total optimiser steps: runner.max_steps x algorithm.n_minibatches) and stays there.
-    """
-    if style not in LR_STYLES:
-        raise ValueError(f"actor.lr_sched.lr_decay_style={style!r} must be one of {LR_STYLES}")
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    if warmup_iters > 0 and step < warmup_iters:
-        return warmup_init + (base_lr - warmup_init) * step / warmup_iters
-    if style == "constant":
-        return base_lr
-    progress = min(1.0, (step - warmup_iters) / max(1, total_steps - warmup_iters))
-    if style == "linear":
-        return base_lr - (base_lr - min_lr) * progress
-    return min_lr + (base_lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))

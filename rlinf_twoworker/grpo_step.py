@@ -11,45 +11,88 @@ from typing import Any
 
 import torch
 
-from rlinf_twoworker.algorithm import group_advantages
+from rlinf_twoworker.algorithm import group_advantages, loss_weights, normalize_advantages
 from rlinf_twoworker.components import ComponentGroup, gather_fail_fast
 from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.messages import ActorShard
 from rlinf_twoworker.models import SequenceBatch, dtype_for
 from rlinf_twoworker.results import StepResult
 
 
 def sync_dtype(cfg: GRPOConfig) -> str:
-    """Weights travel in the rollout's dtype (bf16 on GPUs by default, fp32 on CPUs)."""
+    """Weights travel in the consumers' dtype when rollout and inference share one (bf16 on
+    GPUs by default, fp32 on CPUs), else in float32; each consumer casts to its own precision
+    on arrival, so both get the actor's weights rounded once."""
     device = torch.device(cfg.cluster.accelerator)  # only its type matters to dtype_for
-    return str(dtype_for(cfg.rollout.model.precision, device)).removeprefix("torch.")
+    dtypes = {
+        dtype_for(cfg.rollout.model.precision, device),
+        dtype_for(cfg.inference.model.precision, device),
+    }
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    return str(dtype).removeprefix("torch.")
+
+
+def rlinf_micro_batches(cfg: GRPOConfig, ranks: int) -> list[list[slice]]:
+    """RLinf's micro-batches of one minibatch, per actor rank, as row slices of the minibatch:
+    rank r takes the r-th contiguous share and cuts it into training_batch_size_per_gpu rows."""
+    per_rank = len_minibatch(cfg) // ranks
+    size = cfg.algorithm.training_batch_size_per_gpu
+    return [
+        [slice(r * per_rank + b, r * per_rank + b + size) for b in range(0, per_rank, size)]
+        for r in range(ranks)
+    ]
+
+
+def len_minibatch(cfg: GRPOConfig) -> int:
+    return cfg.data.rollout_batch_size * cfg.algorithm.group_size // cfg.algorithm.n_minibatches
 
 
 def split_for_actors(
     cfg: GRPOConfig, batch: SequenceBatch, old: torch.Tensor, adv: torch.Tensor, ranks: int
-) -> list[list[dict[str, Any]]]:
-    """Shards per actor rank: for each minibatch, a contiguous slice of its rows per rank.
-
-    `norm` is the whole minibatch's aggregation denominator, so every rank scales its loss to
-    the same global token-mean (or sequence-mean)."""
-    n_mb = cfg.algorithm.n_minibatches
-    per_mb = len(batch) // n_mb
+) -> list[list[ActorShard]]:
+    """Shards per actor rank: for each minibatch, the rank's contiguous share of its rows with
+    the minibatch's loss weights (algorithm.loss_weights over RLinf's micro-batches)."""
+    per_mb = len_minibatch(cfg)
+    layout = rlinf_micro_batches(cfg, ranks)
     per_rank = per_mb // ranks
-    shards: list[list[dict[str, Any]]] = [[] for _ in range(ranks)]
-    for mb in range(n_mb):
-        mb_rows = slice(mb * per_mb, (mb + 1) * per_mb)
-        mask = batch.response_mask[mb_rows]
-        norm = float(mask.sum()) if cfg.algorithm.loss_agg_func == "token-mean" else per_mb
+    shards: list[list[ActorShard]] = [[] for _ in range(ranks)]
+    for start in range(0, len(batch), per_mb):
+        mask = batch.response_mask[start : start + per_mb]
+        weights = loss_weights(mask, layout, cfg.algorithm.loss_agg_func)
+        metric_weights = loss_weights(mask, layout, "token-mean")
         for r in range(ranks):
-            rows = slice(mb * per_mb + r * per_rank, mb * per_mb + (r + 1) * per_rank)
+            local = slice(r * per_rank, (r + 1) * per_rank)
+            rows = slice(start + local.start, start + local.stop)
             shards[r].append(
-                {
-                    "batch": batch.rows(rows),
-                    "old_logprobs": old[rows],
-                    "advantages": adv[rows],
-                    "norm": max(norm, 1.0),
-                }
+                ActorShard(
+                    batch.rows(rows),
+                    old[rows],
+                    adv[rows],
+                    weights[local],
+                    metric_weights[local],
+                )
             )
     return shards
+
+
+def token_advantages(cfg: GRPOConfig, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GRPO advantages broadcast to every valid answer token ([B, R], zero on padding), and
+    whitened over the batch with algorithm.normalize_advantages."""
+    per_answer = group_advantages(rewards, cfg.algorithm.group_size)
+    adv = per_answer.unsqueeze(-1) * mask.to(per_answer.dtype)
+    return normalize_advantages(adv, mask) if cfg.algorithm.normalize_advantages else adv
+
+
+def shuffled(
+    cfg: GRPOConfig, step: int, batch: SequenceBatch, *tensors: torch.Tensor
+) -> tuple[SequenceBatch, list[torch.Tensor]]:
+    """With algorithm.shuffle_rollout, the answers in a seeded random order (actor.seed and
+    the step), so minibatches mix groups; else unchanged."""
+    if not cfg.algorithm.shuffle_rollout:
+        return batch, list(tensors)
+    generator = torch.Generator().manual_seed(cfg.actor.seed * 1_000_003 + step)
+    order = torch.randperm(len(batch), generator=generator)
+    return batch.rows(order), [t[order] for t in tensors]
 
 
 async def sync_weights(group: ComponentGroup, cfg: GRPOConfig) -> dict[str, float]:
@@ -90,23 +133,25 @@ async def _sync_through_ipc(group: ComponentGroup, dtype: str, timeout: float) -
 
 
 async def check_weights(group: ComponentGroup, dtype: str, timeout: float) -> None:
-    """Fail unless rollout's and inference's weights equal the actor's, bit for bit."""
+    """Fail unless rollout's and inference's weights equal the actor's, bit for bit, each in
+    its own precision (the actor's weights rounded to it)."""
     from rlinf_twoworker.errors import ComponentError
 
     consumers = [group.one("rollout"), group.one("inference")]
-    members = [*group.actors(), *consumers]
-    digests = await group.call_each(
-        members, "weights_digest", dtype, timeout=timeout, stage="weight check"
-    )
-    expected = digests[0]
-    for member, digest in zip(consumers, digests[len(group.actors()) :]):
-        if digest != expected:
+    own = await group.call_each(consumers, "weights_dtype", timeout=timeout, stage="weight check")
+    for member, member_dtype in zip(consumers, own):
+        members = [*group.actors(), member]
+        digests = await group.call_each(
+            members, "weights_digest", member_dtype, timeout=timeout, stage="weight check"
+        )
+        if digests[-1] != digests[0]:
             raise ComponentError(
                 member.slot.component,
                 member.slot.rank,
                 group.describe(member),
                 f"weights differ from the actor's after the sync (digest "
-                f"{digest[:12]} != {expected[:12]}); the weight sync is broken",
+                f"{digests[-1][:12]} != {digests[0][:12]} in {member_dtype}); the weight sync "
+                "is broken",
             )
 
 
@@ -134,32 +179,10 @@ async def run_step(
 ) -> StepResult:
     """Generate, grade, recompute, update, sync; returns the step's metrics and timings."""
     timeout = cfg.runner.timeouts.step_s
-    algo = cfg.algorithm
     start = time.perf_counter()
-
-    gen = await group.call(
-        group.one("rollout"),
-        "generate",
-        prompts,
-        cfg.actor.seed + step,
-        timeout=timeout,
-        stage=f"step {step} rollout",
-    )
+    gen, rewards, reward_s = await _generate_and_grade(group, cfg, step, prompts, solutions)
     batch: SequenceBatch = gen["batch"]
-    answers_solutions = [s for s in solutions for _ in range(algo.group_size)]
-    t = time.perf_counter()
-    graded = await group.call(
-        group.one("reward"),
-        "score",
-        gen["texts"],
-        answers_solutions,
-        timeout=timeout,
-        stage=f"step {step} reward",
-    )
-    reward_s = time.perf_counter() - t
-    rewards = torch.tensor(graded["scores"], dtype=torch.float32)
-    advantages = group_advantages(rewards, algo.group_size)
-
+    adv = token_advantages(cfg, rewards, batch.response_mask)
     old = await group.call(
         group.one("inference"),
         "compute_logprobs",
@@ -167,7 +190,8 @@ async def run_step(
         timeout=timeout,
         stage=f"step {step} inference",
     )
-    shards = split_for_actors(cfg, batch, old["logprobs"], advantages, len(group.actors()))
+    train_batch, (train_old, train_adv) = shuffled(cfg, step, batch, old["logprobs"], adv)
+    shards = split_for_actors(cfg, train_batch, train_old, train_adv, len(group.actors()))
     trained = await group.call_each(
         group.actors(),
         "train_step",
@@ -177,25 +201,15 @@ async def run_step(
     )
     synced = await sync_weights(group, cfg)
     total = time.perf_counter() - start
-
-    lengths = batch.response_mask.sum(-1).float()
-    train = trained[0]
-    train_s = max(r["seconds"] for r in trained)
     metrics = {
-        "rollout/reward_scores": float(rewards.mean()),
-        "rollout/correct_fraction": float((rewards > 0).float().mean()),
-        "rollout/response_length": float(lengths.mean()),
-        "rollout/response_length_max": float(lengths.max()),
-        "actor/training/actor/final_loss": train["loss"],
-        "actor/training/actor/grad_norm": train["grad_norm"],
-        "actor/training/actor/lr": train["lr"],
-        "actor/training/actor/clip_fraction": train["clip_fraction"],
-        "actor/training/actor/approx_kl": train["approx_kl"],
+        **_rollout_metrics(rewards, batch, adv),
+        **_actor_metrics(trained[0]),
         "throughput/generated_tokens_per_s": gen["generated_tokens"] / max(gen["seconds"], 1e-9),
-        "throughput/trained_tokens_per_s": train["trained_tokens"] / max(train_s, 1e-9),
         "sync/bytes": synced["bytes"],
         **({"sync/verified": synced["verified"]} if "verified" in synced else {}),
     }
+    train_s = max(r["seconds"] for r in trained)
+    metrics["throughput/trained_tokens_per_s"] = trained[0]["trained_tokens"] / max(train_s, 1e-9)
     timings = {
         "time/rollout": gen["seconds"],
         "time/reward": reward_s,
@@ -207,3 +221,97 @@ async def run_step(
         "time/step": total,
     }
     return StepResult(step=step, metrics=metrics, timings=timings, finished_at=time.time())
+
+
+async def validate(
+    group: ComponentGroup,
+    cfg: GRPOConfig,
+    step: int,
+    prompts: list[list[int]],
+    solutions: list[list[str]],
+) -> dict[str, float]:
+    """Answer the validation prompts with the current policy (group_size answers each, the
+    training sampling settings, as RLinf's evaluation does) and grade them."""
+    start = time.perf_counter()
+    _, rewards, _ = await _generate_and_grade(
+        group, cfg, step, prompts, solutions, seed_offset=VALIDATION_SEED_OFFSET, stage="validation"
+    )
+    return {
+        "val/reward_scores": float(rewards.mean()),
+        "val/correct_fraction": float((rewards > 0).float().mean()),
+        "time/validation": time.perf_counter() - start,
+    }
+
+
+VALIDATION_SEED_OFFSET = 1_000_000_007
+"""Validation samples with seeds apart from the training steps'."""
+
+
+async def _generate_and_grade(
+    group: ComponentGroup,
+    cfg: GRPOConfig,
+    step: int,
+    prompts: list[list[int]],
+    solutions: list[list[str]],
+    seed_offset: int = 0,
+    stage: str = "rollout",
+) -> tuple[dict[str, Any], torch.Tensor, float]:
+    """The rollout's answers (group_size per prompt), their rewards and the grading time."""
+    timeout = cfg.runner.timeouts.step_s
+    gen = await group.call(
+        group.one("rollout"),
+        "generate",
+        prompts,
+        cfg.actor.seed + step + seed_offset,
+        timeout=timeout,
+        stage=f"step {step} {stage}",
+    )
+    answers_solutions = [s for s in solutions for _ in range(cfg.algorithm.group_size)]
+    t = time.perf_counter()
+    graded = await group.call(
+        group.one("reward"),
+        "score",
+        gen["texts"],
+        answers_solutions,
+        timeout=timeout,
+        stage=f"step {step} {stage} reward",
+    )
+    rewards = torch.tensor(graded["scores"], dtype=torch.float32)
+    return gen, rewards, time.perf_counter() - t
+
+
+def _rollout_metrics(
+    rewards: torch.Tensor, batch: SequenceBatch, adv: torch.Tensor
+) -> dict[str, float]:
+    lengths = batch.response_mask.sum(-1).float()
+    valid = batch.response_mask.bool()
+    return {
+        "rollout/reward_scores": float(rewards.mean()),
+        "rollout/correct_fraction": float((rewards > 0).float().mean()),
+        "rollout/response_length": float(lengths.mean()),
+        "rollout/response_length_max": float(lengths.max()),
+        "rollout/advantages_mean": float(adv[valid].mean()),
+        "rollout/advantages_max": float(adv[valid].max()),
+        "rollout/advantages_min": float(adv[valid].min()),
+    }
+
+
+_ACTOR_METRICS = (
+    "final_loss",
+    "policy_loss",
+    "grad_norm",
+    "lr",
+    "ratio_mean",
+    "ratio_max",
+    "clip_fraction",
+    "dual_clip_fraction",
+    "approx_kl",
+    "entropy_loss",
+    "logprob_diff_max",
+    "skipped_steps",
+)
+
+
+def _actor_metrics(train: dict[str, float]) -> dict[str, float]:
+    """The actor's step metrics under RLinf's TensorBoard names (actor/training/actor/...)."""
+    return {f"actor/training/actor/{k}": float(train[k]) for k in _ACTOR_METRICS if k in train}

@@ -1,7 +1,8 @@
 """Inference: recompute the log-probabilities of every answer token under the current policy.
 
 Runs with the weights the actor has before its update (the sync happens after each update), so
-these are the "old" log-probabilities of the PPO ratio.
+these are the "old" log-probabilities of the PPO ratio; logits are divided by the sampling
+temperature, as in the actor (and in RLinf).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.models import (
     SequenceBatch,
+    compile_layers,
     dtype_for,
     load_causal_lm,
     response_logprobs,
@@ -29,7 +31,11 @@ class InferenceWorker(PolicyCopy):
         super().__init__(cfg, "inference", rank)
         self.dtype = dtype_for(cfg.inference.model.precision, self.device)
         self.model = load_causal_lm(cfg.inference.model.model_path, self.dtype, self.device).eval()
-        self.fused = self.device.type == "cuda"  # compiled log-softmax kernel (GPUs only)
+        # The actor's kernels: its decoder layers and log-softmax are compiled on GPUs (with
+        # actor.compile), so the old log-probs are computed the same way as the new ones and
+        # the first minibatch's ratio is 1 up to rounding.
+        self.fused = self.device.type == "cuda" and cfg.actor.compile
+        compile_layers(self.model, self.fused)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch) -> dict[str, Any]:
@@ -38,12 +44,13 @@ class InferenceWorker(PolicyCopy):
             lambda: self._logprobs(batch),
             self.fused,
             self._go_eager,
-            f"inference rank {self.rank}: the compiled log-softmax kernel",
+            f"inference rank {self.rank}: the compiled decoder layers / log-softmax kernel",
             "computing it eagerly from now on",
         )
         return {"logprobs": logprobs, "seconds": time.perf_counter() - start}
 
     def _go_eager(self) -> None:
+        compile_layers(self.model, False)
         self.fused = False
 
     def _logprobs(self, batch: SequenceBatch) -> torch.Tensor:
@@ -52,5 +59,7 @@ class InferenceWorker(PolicyCopy):
         parts = []
         for begin in range(0, len(batch), micro):
             rows = batch.rows(slice(begin, begin + micro)).to(self.device)
-            parts.append(response_logprobs(self.model, rows, trim, self.fused).cpu())
+            temperature = self.cfg.algorithm.sampling_params.temperature
+            logprobs = response_logprobs(self.model, rows, trim, self.fused, temperature)
+            parts.append(logprobs.cpu())
         return torch.cat(parts) * batch.response_mask

@@ -59,6 +59,19 @@ def load_tokenizer(path: str | Path) -> Any:
     return tokenizer
 
 
+def model_dir_problem(path: str | Path) -> str | None:
+    """What is wrong with `path` as a model directory (missing, a file, no config.json), or
+    None."""
+    path = Path(path)
+    if not path.exists():
+        return f"model directory {path} does not exist"
+    if not path.is_dir():
+        return f"model path {path} is a file, not a directory"
+    if not (path / "config.json").is_file():
+        return f"model directory {path} has no config.json"
+    return None
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -> Any:
     """AutoModelForCausalLM from a local directory, with an error that says what is wrong.
     Typed Any: a transformers model's submodules (`.model.layers`, `.lm_head`) and config are
@@ -67,10 +80,10 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -
 
     _offline()
     path = Path(path)
-    if not (path / "config.json").is_file():
+    problem = model_dir_problem(path)
+    if problem:
         raise TwoWorkerError(
-            f"model directory {path} has no config.json; point "
-            "*.model.model_path at a Hugging Face model directory"
+            f"{problem}; point *.model.model_path at a Hugging Face model directory"
         )
     config = AutoConfig.from_pretrained(str(path))
     archs = getattr(config, "architectures", None) or []
@@ -159,6 +172,16 @@ def compiler_failed(exc: BaseException) -> bool:
     )
 
 
+def compile_layers(model: Any, on: bool) -> None:
+    """Compile each decoder layer's forward in place (nn.Module.compile: parameter names,
+    state dicts and FSDP hooks are unchanged), or with on=False undo it."""
+    for layer in model.model.layers:
+        if on:
+            layer.compile()
+        else:
+            layer._compiled_call_impl = None  # what nn.Module.compile() set
+
+
 T = TypeVar("T")
 
 
@@ -179,9 +202,16 @@ def run_or_eager(
 
 
 def response_logprobs(
-    model: Any, batch: SequenceBatch, trim_multiple: int = 0, fused: bool = False
-) -> torch.Tensor:
-    """Log-probabilities of each response token under `model`, shape [B, R] (float32).
+    model: Any,
+    batch: SequenceBatch,
+    trim_multiple: int = 0,
+    fused: bool = False,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> Any:
+    """Log-probabilities of each response token under `model` with its logits divided by the
+    sampling temperature (as RLinf's actor and inference compute them), shape [B, R] float32;
+    with `with_entropy`, a pair (log-probs, entropy of each position's distribution).
 
     With `trim_multiple` >= 1 the forward runs on `batch.trimmed(trim_multiple)`; response
     columns it drops (padding in every row) come back as 0. `fused`: the log-softmax runs as
@@ -190,8 +220,11 @@ def response_logprobs(
 
     if trim_multiple >= 1:
         part, kept = batch.trimmed(trim_multiple)
-        out = response_logprobs(model, part, fused=fused)
-        return F.pad(out, (0, batch.responses.shape[1] - kept))
+        out = response_logprobs(model, part, 0, fused, temperature, with_entropy)
+        width = batch.responses.shape[1] - kept
+        if with_entropy:
+            return F.pad(out[0], (0, width)), F.pad(out[1], (0, width))
+        return F.pad(out, (0, width))
 
     logits = model(
         input_ids=batch.input_ids,
@@ -200,4 +233,10 @@ def response_logprobs(
         use_cache=False,
     ).logits
     p = batch.prompt_length
-    return token_logprobs(logits[:, p - 1 : -1], batch.input_ids[:, p:], fused=fused)
+    return token_logprobs(
+        logits[:, p - 1 : -1],
+        batch.input_ids[:, p:],
+        fused=fused,
+        temperature=temperature,
+        with_entropy=with_entropy,
+    )

@@ -11,8 +11,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlinf_twoworker.actor import ActorWorker, prepare_for_training
+from rlinf_twoworker.actor import ActorWorker, lr_scheduler, prepare_for_training
+from rlinf_twoworker.config import to_typed
 from rlinf_twoworker.demo import demo_config, make_inputs
+from rlinf_twoworker.grpo_step import split_for_actors
+from rlinf_twoworker.messages import ActorShard
 from rlinf_twoworker.models import SequenceBatch, load_causal_lm, response_logprobs
 
 
@@ -63,7 +66,7 @@ def test_compiled_layers_give_the_eager_logprobs_and_gradients(world):
             mesh,
             mixed_precision=False,
             activation_checkpointing=compiled,
-            compile_layers=compiled,
+            compiled=compiled,
         )
         runs[compiled] = _grads(model, batches)
     (eager_sums, eager), (compiled_sums, compiled) = runs[False], runs[True]
@@ -73,13 +76,31 @@ def test_compiled_layers_give_the_eager_logprobs_and_gradients(world):
         assert torch.allclose(compiled[name], grad, atol=1e-5), name
 
 
+def _shard(cfg) -> ActorShard:
+    """A minibatch of 4 answers of different lengths with the weights the controller gives it
+    (RLinf's token-mean per 1-row micro-batch), as one rank's shard."""
+    batch = _batch(4, 20, 8)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5]).unsqueeze(-1) * batch.response_mask
+    old = torch.full((4, 12), -4.0) * batch.response_mask
+    [[shard]] = split_for_actors(cfg, batch, old, adv, ranks=1)
+    return shard
+
+
 def _broken_backend(graph, example_inputs):
     raise RuntimeError("this backend cannot compile anything")
 
 
+# One minibatch of 4 answers (2 prompts x 2), one actor rank: the shard is the minibatch.
+ONE_MINIBATCH = [
+    "data.rollout_batch_size=2",
+    "algorithm.n_minibatches=1",
+    "cluster.component_placement={rollout:0,inference:1,actor:2,reward:0}",
+]
+
+
 def _trained_actor(world, break_compiler: bool) -> tuple[dict, dict[str, torch.Tensor], list]:
     inputs, root = world
-    cfg = demo_config(inputs, str(root / "runs"), "actor-test", [])
+    cfg = to_typed(demo_config(inputs, str(root / "runs"), "actor-test", ONE_MINIBATCH))
     actor = ActorWorker(cfg, 0)
     actor.actor_group = dist.group.WORLD
     actor.build()
@@ -87,13 +108,7 @@ def _trained_actor(world, break_compiler: bool) -> tuple[dict, dict[str, torch.T
         for layer in actor.model.model.layers:
             layer.compile(backend=_broken_backend)
         actor.compiled = True
-    batch = _batch(4, 20, 8)
-    shard = {
-        "batch": batch,
-        "old_logprobs": torch.zeros(4, 12),
-        "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
-        "norm": float(batch.response_mask.sum()),
-    }
+    shard = _shard(cfg)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         metrics = actor.train_step([shard])
@@ -105,7 +120,60 @@ def test_a_compiler_failure_falls_back_to_eager_and_keeps_the_update(world):
     eager_metrics, eager_params, _ = _trained_actor(world, break_compiler=False)
     metrics, params, messages = _trained_actor(world, break_compiler=True)
     assert any("training eagerly from now on" in m and "actor rank 0" in m for m in messages)
-    assert metrics["loss"] == pytest.approx(eager_metrics["loss"], abs=1e-6)
+    assert metrics["final_loss"] == pytest.approx(eager_metrics["final_loss"], abs=1e-6)
     assert metrics["grad_norm"] == pytest.approx(eager_metrics["grad_norm"], rel=1e-5)
     for name, value in eager_params.items():
         assert torch.allclose(params[name], value, atol=1e-6), name
+
+
+def _gradients(world, overrides: list[str], shard: ActorShard | None = None):
+    inputs, root = world
+    cfg = to_typed(demo_config(inputs, str(root / "runs"), "grad", ONE_MINIBATCH + overrides))
+    actor = ActorWorker(cfg, 0)
+    actor.actor_group = dist.group.WORLD
+    actor.build()
+    shard = shard or _shard(cfg)
+    actor.optimizer.zero_grad(set_to_none=True)
+    sums, _ = actor.accumulate(shard)
+    grads = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
+    return grads, {k: float(v) for k, v in sums.items()}, shard
+
+
+def test_token_budget_micro_batches_give_the_one_row_gradient(world):
+    """The loss weights are fixed per minibatch (RLinf's 1-row token-means), so cutting the
+    forward/backward by a token budget instead of 1 row at a time changes no gradient."""
+    one_row, one_row_sums, shard = _gradients(world, [])
+    budget, budget_sums, _ = _gradients(
+        world,
+        ["runner.enable_dynamic_batch_size=true", "runner.max_tokens_per_mbs=40"],
+        shard,
+    )
+    assert one_row_sums["final_loss"] == pytest.approx(budget_sums["final_loss"], rel=1e-5)
+    for name, grad in one_row.items():
+        assert torch.allclose(budget[name], grad, atol=1e-6, rtol=1e-4), name
+    # RLinf's per-micro-batch token-mean is not the global token-mean: that one differs
+    other, _, _ = _gradients(world, ["algorithm.loss_agg_func=global-token-mean"])
+    assert any(not torch.allclose(other[n], g, atol=1e-6) for n, g in one_row.items())
+
+
+def test_lr_schedules_follow_rlinfs_fsdp_keys(world):
+    inputs, root = world
+
+    def lrs(overrides: list[str], steps: int) -> list[float]:
+        cfg = to_typed(demo_config(inputs, str(root / "runs"), "lr", overrides))
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.actor.optim.lr)
+        scheduler = lr_scheduler(optimizer, cfg)
+        out = []
+        for _ in range(steps):
+            out.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return out
+
+    assert lrs([], 3) == pytest.approx([2e-5] * 3)  # RLinf's constant, no warm-up
+    # warm-up from 0 over 4 optimiser steps, then constant
+    warm = lrs(["actor.optim.lr_warmup_steps=4"], 6)
+    assert warm == pytest.approx([0.0, 0.5e-5, 1e-5, 1.5e-5, 2e-5, 2e-5])
+    # cosine over max_steps x n_minibatches = 8 steps, down to min_lr 0: halfway is lr / 2
+    cosine = lrs(["actor.optim.lr_scheduler=cosine"], 5)
+    assert cosine[0] == pytest.approx(2e-5) and cosine[4] == pytest.approx(1e-5)

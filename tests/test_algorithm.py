@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from rlinf_twoworker.algorithm import (
-    agg_loss,
+    PolicyLoss,
     group_advantages,
     kl_penalty,
-    lr_at,
+    loss_weights,
     masked_mean,
     masked_sum,
-    ppo_clip_loss,
+    normalize_advantages,
+    ppo_loss,
     token_logprobs,
 )
 
@@ -56,16 +57,6 @@ def test_masked_mean_and_sum():
     assert masked_mean(x, torch.zeros(2, 2)).item() == 0.0  # all padding: 0, not NaN
 
 
-def test_token_mean_vs_seq_mean_token_mean():
-    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
-    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
-    assert agg_loss(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
-    # sequence means 2 and 4; the empty third sequence does not count
-    assert agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(3.0)
-    with pytest.raises(ValueError, match="loss_agg_func"):
-        agg_loss(loss, mask, "sum")
-
-
 @pytest.mark.parametrize("fused", [False, True])
 def test_token_logprobs_matches_naive_gather_with_uneven_chunks(fused):
     """Chunked, and with fused=True the compiled kernel (its backward too), equal the
@@ -93,108 +84,233 @@ def test_token_logprobs_computes_low_precision_logits_in_float32(fused):
     assert torch.allclose(out, expected, atol=1e-6)
 
 
-def _one_token_each(ratios: list[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@pytest.mark.parametrize("fused", [False, True])
+def test_token_logprobs_divide_by_the_temperature_and_give_the_entropy(fused):
+    """RLinf computes log-probs and entropy from logits / temperature, in the actor and in
+    inference alike."""
+    torch.manual_seed(2)
+    logits = torch.randn(3, 4, 9, requires_grad=True)
+    labels = torch.randint(0, 9, (3, 4))
+    logprobs, entropy = token_logprobs(
+        logits, labels, chunk_size=2, fused=fused, temperature=0.7, with_entropy=True
+    )
+    scaled = torch.log_softmax(logits / 0.7, dim=-1)
+    expected = scaled.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(logprobs, expected, atol=1e-6)
+    assert torch.allclose(entropy, -(scaled.exp() * scaled).sum(-1), atol=1e-5)
+    plain = token_logprobs(logits, labels, fused=fused)
+    assert not torch.allclose(plain, expected, atol=1e-3)  # the temperature matters
+    (grad,) = torch.autograd.grad(entropy.sum(), logits)
+    (naive,) = torch.autograd.grad(-(scaled.exp() * scaled).sum(), logits)
+    assert torch.allclose(grad, naive, atol=1e-5)
+
+
+# --- loss weights: RLinf's aggregation, token by token ----------------------------------------
+
+MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+ONE_ROW = [[slice(0, 1), slice(1, 2)], [slice(2, 3), slice(3, 4)]]  # 2 ranks x 2 micro-batches
+TWO_ROWS = [[slice(0, 2)], [slice(2, 4)]]  # 2 ranks x 1 micro-batch of 2 rows
+
+
+def _per_row(weights: torch.Tensor) -> list[float]:
+    """The weight of each row's valid tokens (all equal within a row here)."""
+    return [float(weights[i][MASK[i].bool()][0]) for i in range(4)]
+
+
+@pytest.mark.parametrize(
+    "agg, layout, expected",
+    [
+        # each micro-batch: 1/valid tokens; each rank has 2 micro-batches, 2 ranks: x 1/4
+        ("token-mean", ONE_ROW, [1 / 12, 1 / 4, 1 / 8, 1 / 16]),
+        # rank 0's micro-batch has 4 valid tokens, rank 1's has 6; 1 micro-batch, 2 ranks
+        ("token-mean", TWO_ROWS, [1 / 8, 1 / 8, 1 / 12, 1 / 12]),
+        # 1/row tokens / 2 rows / (1 micro-batch x 2 ranks)
+        ("seq-mean-token-mean", TWO_ROWS, [1 / 12, 1 / 4, 1 / 8, 1 / 16]),
+        ("seq-mean-token-sum", TWO_ROWS, [1 / 4, 1 / 4, 1 / 4, 1 / 4]),
+        ("global-token-mean", TWO_ROWS, [1 / 10] * 4),
+    ],
+)
+def test_loss_weights_at_hand_computed_values(agg, layout, expected):
+    weights = loss_weights(MASK, layout, agg)
+    assert _per_row(weights) == pytest.approx(expected)
+    assert torch.all(weights[~MASK.bool()] == 0)
+
+
+def _rlinf_loss(per_token: torch.Tensor, mask: torch.Tensor, layout, agg: str) -> torch.Tensor:
+    """RLinf's FSDP actor, written out: each micro-batch aggregated on its own
+    (rlinf/utils/utils.py), divided by the rank's micro-batch count (gradient accumulation),
+    then averaged over ranks (FSDP's gradient reduction)."""
+    m = mask.float()
+    total = torch.zeros(())
+    for parts in layout:
+        for rows in parts:
+            v, k = per_token[rows], m[rows]
+            if agg == "token-mean":
+                value = (v * k).sum() / k.sum()
+            elif agg == "seq-mean-token-mean":
+                value = ((v * k).sum(-1) / k.sum(-1)).mean()
+            else:
+                value = (v * k).sum(-1).mean()
+            total = total + value / len(parts) / len(layout)
+    return total
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("layout", [ONE_ROW, TWO_ROWS])
+def test_weighted_sum_is_rlinfs_loss_and_gradient(agg, layout):
+    torch.manual_seed(3)
+    per_token = torch.randn(4, 4, requires_grad=True)
+    ours = (loss_weights(MASK, layout, agg) * per_token).sum()
+    theirs = _rlinf_loss(per_token, MASK, layout, agg)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
+    (g_ours,) = torch.autograd.grad(ours, per_token)
+    (g_theirs,) = torch.autograd.grad(theirs, per_token)
+    assert torch.allclose(g_ours, g_theirs, atol=1e-7)
+
+
+def test_loss_weights_refuse_an_unknown_aggregation():
+    with pytest.raises(ValueError, match="loss_agg_func"):
+        loss_weights(MASK, TWO_ROWS, "sum")
+
+
+# --- the PPO loss ---------------------------------------------------------------------------
+
+
+def _tokens(ratios: list[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token per row at the given ratios, one micro-batch: token-mean weights 1/rows."""
     logprobs = torch.log(torch.tensor(ratios)).unsqueeze(-1)
-    return logprobs, torch.zeros_like(logprobs), torch.ones_like(logprobs)
+    mask = torch.ones_like(logprobs)
+    return (
+        logprobs,
+        torch.zeros_like(logprobs),
+        loss_weights(mask, [[slice(0, len(ratios))]], "token-mean"),
+    )
+
+
+def _loss(ratios, adv, settings=PolicyLoss(), **kw):
+    logprobs, old, w = _tokens(ratios)
+    return ppo_loss(logprobs, old, torch.tensor(adv), w, w, settings, **kw)
 
 
 def test_clipped_loss_at_known_ratios():
-    logprobs, old, mask = _one_token_each([1.5, 0.5, 1.5, 0.5])
-    adv = torch.tensor([1.0, -1.0, -1.0, 1.0])
     # per token: clipped at 1.2 -> -1.2; clipped at 0.8 -> +0.8; unclipped 1.5; unclipped -0.5
-    loss, m = ppo_clip_loss(logprobs, old, adv, mask, clip_eps=0.2)
+    loss, m = _loss([1.5, 0.5, 1.5, 0.5], [1.0, -1.0, -1.0, 1.0])
     assert loss.item() == pytest.approx((-1.2 + 0.8 + 1.5 - 0.5) / 4)
-    assert m["pg_loss"].item() == pytest.approx(loss.item())
+    assert m["policy_loss"].item() == pytest.approx(loss.item())
     assert m["clip_fraction"].item() == pytest.approx(0.5)
     assert m["ratio_mean"].item() == pytest.approx(1.0)
-    k2 = 0.5 * (math.log(1.5) ** 2 + math.log(0.5) ** 2) / 2
-    assert m["approx_kl"].item() == pytest.approx(k2)
+    assert m["ratio_max"].item() == pytest.approx(1.5)
+    # RLinf's approx_kl: the token-mean of old - new (k1), here -mean(log ratio)
+    k1 = -(2 * math.log(1.5) + 2 * math.log(0.5)) / 4
+    assert m["approx_kl"].item() == pytest.approx(k1)
 
 
-def test_single_clipped_tokens():
-    for ratio, adv, expected in ((1.5, 2.0, -1.2 * 2.0), (0.5, -3.0, 0.8 * 3.0)):
-        logprobs, old, mask = _one_token_each([ratio])
-        loss, m = ppo_clip_loss(logprobs, old, torch.tensor([adv]), mask, clip_eps=0.2)
-        assert loss.item() == pytest.approx(expected)
-        assert m["clip_fraction"].item() == 1.0
+def test_asymmetric_clip_uses_low_and_high():
+    settings = PolicyLoss(clip_low=0.2, clip_high=0.28)
+    loss, m = _loss([1.3, 0.7], [1.0, -1.0], settings)
+    assert loss.item() == pytest.approx((-1.28 + 0.8) / 2)
+    assert m["clip_fraction"].item() == 1.0
+
+
+def test_dual_clip_bounds_negative_advantage_tokens():
+    # A = -1, ratio 5: max(5, 1.2) = 5, dual clip at 3 x |A| = 3; A = -1, ratio 2: 2 < 3 stays
+    settings = PolicyLoss(clip_c=3.0)
+    logprobs, old, w = _tokens([5.0, 2.0])
+    logprobs.requires_grad_()
+    loss, m = ppo_loss(logprobs, old, torch.tensor([-1.0, -1.0]), w, w, settings)
+    assert loss.item() == pytest.approx((3.0 + 2.0) / 2)
+    assert m["dual_clip_fraction"].item() == pytest.approx(0.5)
+    loss.backward()
+    assert logprobs.grad is not None
+    assert logprobs.grad[0].item() == 0.0 and logprobs.grad[1].item() != 0.0
+    without, _ = _loss([5.0, 2.0], [-1.0, -1.0])
+    assert without.item() == pytest.approx((5.0 + 2.0) / 2)
+
+
+def test_log_ratio_clamps_apply_before_exp():
+    settings = PolicyLoss(log_ratio_max=0.1, clip_low=10.0, clip_high=10.0)
+    loss, m = _loss([2.0], [-1.0], settings)
+    assert loss.item() == pytest.approx(math.exp(0.1))
+    assert m["approx_kl"].item() == pytest.approx(-0.1)
+
+
+def test_entropy_bonus_is_subtracted_with_the_loss_weights():
+    logprobs, old, w = _tokens([1.0, 1.0])
+    entropy = torch.tensor([[2.0], [4.0]])
+    base, _ = ppo_loss(logprobs, old, torch.tensor([1.0, -1.0]), w, w, PolicyLoss(), entropy)
+    loss, m = ppo_loss(
+        logprobs, old, torch.tensor([1.0, -1.0]), w, w, PolicyLoss(entropy_bonus=0.01), entropy
+    )
+    assert m["entropy_loss"].item() == pytest.approx(3.0)
+    assert loss.item() == pytest.approx(base.item() - 0.01 * 3.0)
 
 
 def test_loss_masks_padding_and_broadcasts_advantages():
     logprobs = torch.log(torch.tensor([[1.1, 1.0, 7.0], [0.9, 7.0, 7.0]]))
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    loss, m = ppo_clip_loss(logprobs, torch.zeros(2, 3), torch.tensor([1.0, 2.0]), mask, 0.2)
+    w = loss_weights(mask, [[slice(0, 2)]], "token-mean")
+    loss, m = ppo_loss(logprobs, torch.zeros(2, 3), torch.tensor([1.0, 2.0]), w, w, PolicyLoss())
     assert loss.item() == pytest.approx((-1.1 - 1.0 - 1.8) / 3)
     assert m["clip_fraction"].item() == 0.0  # the ratio-7 tokens are padding
-    seq, _ = ppo_clip_loss(
-        logprobs, torch.zeros(2, 3), torch.tensor([1.0, 2.0]), mask, 0.2, "seq-mean-token-mean"
-    )
-    assert seq.item() == pytest.approx(((-1.1 - 1.0) / 2 - 1.8) / 2)
+    assert m["ratio_max"].item() == pytest.approx(1.1)
 
 
 @pytest.mark.parametrize("adv, direction", [(1.0, +1), (-1.0, -1)])
 def test_descending_the_loss_moves_logprob_with_the_advantage(adv, direction):
     logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     old = logprobs.detach().clone()
+    w = loss_weights(torch.ones(1, 2), [[slice(0, 1)]], "token-mean")
     optimiser = torch.optim.SGD([logprobs], lr=0.1)
-    loss, _ = ppo_clip_loss(logprobs, old, torch.tensor([adv]), torch.ones(1, 2), 0.2)
+    loss, _ = ppo_loss(logprobs, old, torch.tensor([adv]), w, w, PolicyLoss())
     loss.backward()
     optimiser.step()
     assert torch.all((logprobs.detach() - old) * direction > 0)
 
 
 def test_clipped_branch_has_no_gradient():
-    logprobs = torch.log(torch.tensor([[1.5]])).requires_grad_()
-    loss, _ = ppo_clip_loss(logprobs, torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1), 0.2)
+    logprobs, old, w = _tokens([1.5])
+    logprobs.requires_grad_()
+    loss, _ = ppo_loss(logprobs, old, torch.tensor([1.0]), w, w, PolicyLoss())
     loss.backward()
     assert logprobs.grad is not None and logprobs.grad.item() == 0.0
 
 
-def test_kl_kinds_at_known_values():
+def test_kl_kinds_at_rlinfs_values():
     logp, ref = torch.tensor([0.5, -0.5]), torch.zeros(2)
-    assert torch.allclose(kl_penalty(logp, ref, "kl"), torch.tensor([0.5, -0.5]))
+    for kind in ("kl", "k1"):
+        assert torch.allclose(kl_penalty(logp, ref, kind), torch.tensor([0.5, -0.5]))
     assert torch.allclose(kl_penalty(logp, ref, "abs"), torch.tensor([0.5, 0.5]))
-    assert torch.allclose(kl_penalty(logp, ref, "mse"), torch.tensor([0.125, 0.125]))
+    for kind in ("mse", "k2"):
+        assert torch.allclose(kl_penalty(logp, ref, kind), torch.tensor([0.125, 0.125]))
+    # k3 with d = ref - logp: exp(d) - d - 1
     k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(0.5) - 0.5 - 1]
-    assert torch.allclose(kl_penalty(logp, ref, "low_var_kl"), torch.tensor(k3))
-    assert kl_penalty(torch.tensor([-30.0]), torch.zeros(1), "low_var_kl").item() == 10.0
+    for kind in ("low_var_kl", "k3"):
+        assert torch.allclose(kl_penalty(logp, ref, kind), torch.tensor(k3))
+    assert kl_penalty(torch.tensor([-30.0]), torch.zeros(1), "k3").item() == 10.0  # clamped
     with pytest.raises(ValueError, match="kl_penalty_type"):
-        kl_penalty(logp, ref, "js")
+        kl_penalty(logp, ref, "full")
 
 
 def test_kl_term_is_added_with_its_weight():
     logprobs = torch.tensor([[0.5, -0.5]])
-    ref = torch.zeros(1, 2)
-    loss, m = ppo_clip_loss(
-        logprobs,
-        logprobs,
-        torch.zeros(1),
-        torch.ones(1, 2),
-        0.2,
-        kl_beta=0.1,
-        ref_logprobs=ref,
-        kl_penalty_type="mse",
+    w = loss_weights(torch.ones(1, 2), [[slice(0, 1)]], "token-mean")
+    settings = PolicyLoss(kl_beta=0.1, kl_type="mse")
+    loss, m = ppo_loss(
+        logprobs, logprobs, torch.zeros(1), w, w, settings, ref_logprobs=torch.zeros(1, 2)
     )
     assert loss.item() == pytest.approx(0.1 * 0.125)
     assert m["kl_loss"].item() == pytest.approx(0.125)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        ppo_clip_loss(logprobs, logprobs, torch.zeros(1), torch.ones(1, 2), 0.2, kl_beta=0.1)
+        ppo_loss(logprobs, logprobs, torch.zeros(1), w, w, settings)
 
 
-def test_lr_constant_with_warmup():
-    kw = dict(base_lr=1e-3, style="constant", warmup_iters=4, warmup_init=0.0, min_lr=0.0)
-    assert lr_at(0, total_steps=8, **kw) == 0.0
-    assert lr_at(2, total_steps=8, **kw) == pytest.approx(5e-4)
-    assert lr_at(4, total_steps=8, **kw) == pytest.approx(1e-3)
-    assert lr_at(100, total_steps=8, **kw) == pytest.approx(1e-3)
-    assert lr_at(0, 2e-5, "constant", 0, 0.0, 0.0, 8) == 2e-5
-
-
-def test_lr_linear_and_cosine_decay():
-    assert lr_at(5, 1.0, "linear", 0, 0.0, 0.0, 10) == pytest.approx(0.5)
-    assert lr_at(7, 1.0, "linear", 2, 0.0, 0.0, 12) == pytest.approx(0.5)
-    assert lr_at(20, 1.0, "linear", 0, 0.0, 0.0, 10) == pytest.approx(0.0)
-    assert lr_at(0, 1.0, "cosine", 0, 0.0, 0.0, 10) == pytest.approx(1.0)
-    assert lr_at(5, 1.0, "cosine", 0, 0.0, 0.1, 10) == pytest.approx(0.55)
-    assert lr_at(10, 1.0, "cosine", 0, 0.0, 0.1, 10) == pytest.approx(0.1)
-    with pytest.raises(ValueError, match="lr_decay_style"):
-        lr_at(0, 1.0, "step", 0, 0.0, 0.0, 10)
+def test_normalize_advantages_whitens_valid_tokens_only():
+    adv = torch.tensor([[1.0, 1.0, 9.0], [-1.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    out = normalize_advantages(adv, mask)
+    # valid values 1, 1, -1: mean 1/3, biased std sqrt(8/9)
+    std = math.sqrt(8 / 9)
+    expected = torch.tensor(
+        [[(2 / 3) / (std + 1e-5), (2 / 3) / (std + 1e-5), 0.0], [(-4 / 3) / (std + 1e-5), 0, 0]]
+    )
+    assert torch.allclose(out, expected, atol=1e-6)

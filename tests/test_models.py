@@ -21,8 +21,13 @@ def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path):
     )
     with pytest.raises(TwoWorkerError, match=r"is \['BertModel'\], not a causal LM"):
         load_causal_lm(inputs.model_path, torch.float32, torch.device("cpu"))
-    with pytest.raises(TwoWorkerError, match="has no config.json"):
+    with pytest.raises(TwoWorkerError, match="nowhere does not exist"):
         load_causal_lm(tmp_path / "nowhere", torch.float32, torch.device("cpu"))
+    with pytest.raises(TwoWorkerError, match="config.json is a file, not a directory"):
+        load_causal_lm(config, torch.float32, torch.device("cpu"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TwoWorkerError, match="empty has no config.json"):
+        load_causal_lm(tmp_path / "empty", torch.float32, torch.device("cpu"))
 
 
 def test_left_padding_positions_and_response_mask():
