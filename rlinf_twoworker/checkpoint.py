@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 DCP_SUBDIR = Path("actor") / "dcp_checkpoint"
 DATA_FILE = Path("data") / "data.pt"
 HF_SUBDIR = Path("actor") / "huggingface"  # with runner.save_full_weights
+FULL_WEIGHTS = Path("actor") / "model_state_dict" / "full_weights.pt"
+"""RLinf's full-model file (actor.fsdp_config.save_full_model_weights)."""
 METADATA = ".metadata"
 MODEL_PREFIX = "fsdp_checkpoint.model."
 """DCP key prefix of the actor's model weights (keys are flattened with dots)."""
@@ -47,11 +49,15 @@ class CheckpointReadError(TwoWorkerError):
     """A checkpoint's files are missing, damaged or unreadable; the message names the file."""
 
 
-def scheduled_steps(cfg: GRPOConfig) -> list[int]:
-    """Steps that get a checkpoint: every save_interval steps, and always the last step."""
-    last, interval = cfg.runner.max_steps, cfg.runner.save_interval
-    steps = set(range(interval, last + 1, interval)) if interval > 0 else set()
-    return sorted(steps | {last})
+def scheduled_steps(cfg: GRPOConfig, last: int | None = None) -> list[int]:
+    """Steps that get a checkpoint, as RLinf decides: every save_interval steps and the last
+    step (runner.max_steps, or `last` when the epochs end the run earlier); none with
+    save_interval <= 0 (RLinf's -1)."""
+    last = cfg.runner.max_steps if last is None else last
+    interval = cfg.runner.save_interval
+    if interval <= 0:
+        return []
+    return sorted(set(range(interval, last + 1, interval)) | {last})
 
 
 def _fsync_tree(root: Path) -> None:
@@ -88,6 +94,8 @@ async def save(
         stage=f"checkpoint {step}",
     )
     torch.save(data_state, staging / DATA_FILE)
+    if cfg.actor.fsdp_config.save_full_model_weights:
+        await asyncio.to_thread(write_full_weights, staging)
     _fsync_tree(staging)
     os.rename(staging, final)
     _fsync_dir(final.parent)
@@ -99,6 +107,17 @@ async def save(
     return CheckpointInfo(
         step=step, directory=str(final), files=files_of(final), finished_at=time.time()
     )
+
+
+def write_full_weights(checkpoint: Path) -> Path:
+    """RLinf's actor/model_state_dict/full_weights.pt: the model's full state dict (parameter
+    name -> tensor), read back from the checkpoint's DCP shards."""
+    from rlinf_twoworker.readback import model_state
+
+    path = checkpoint / FULL_WEIGHTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(model_state(checkpoint / DCP_SUBDIR), path)
+    return path
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -1,5 +1,4 @@
-"""The `rlinf-twoworker` command: run (the Driver command), demo, preflight, verify, readback,
-export-hf, report.
+"""The `rlinf-twoworker` command: run, demo, preflight, verify, readback, export-hf, report.
 
 Exit codes: 0 success; 1 the run or a check failed; 2 the request is invalid (nothing was created
 or changed); 3 no Ray cluster is reachable, or it is not the cluster the config asks for; 130
@@ -15,7 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlinf_twoworker.config import to_typed
 from rlinf_twoworker.driver import RequestError, resolve_request
@@ -27,6 +26,9 @@ from rlinf_twoworker.errors import (
     TwoWorkerError,
 )
 from rlinf_twoworker.report import DriverConsole as Console
+
+if TYPE_CHECKING:
+    from rlinf_twoworker.verify import Expected
 
 OK, FAILED, INVALID, NO_CLUSTER, INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -102,16 +104,31 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from rlinf_twoworker.demo import demo_config, make_inputs
+    """The run's own request check first (a typo or a reused RUN_ID fails in a second and
+    writes nothing), then the demo inputs, then a LocalCluster and the run."""
+    from rlinf_twoworker.demo import DATA_NAME, DemoInputs, demo_config, make_inputs
+    from rlinf_twoworker.driver import input_problems, run_dir_problems
     from rlinf_twoworker.local import LocalCluster
 
     console = Console()
     output_root = Path(args.output_root).resolve()
     run_id = args.run_id or time.strftime("demo-%Y%m%d-%H%M%S")
     overrides = [f"runner.max_steps={args.steps}", *args.overrides]
+    root = output_root / f".inputs-{run_id}"
+    planned = DemoInputs(root, root / "model", root / "data" / DATA_NAME)
     try:
-        inputs = make_inputs(output_root / f".inputs-{run_id}")
+        cfg = demo_config(planned, output_root, run_id, overrides)  # nothing written yet
+        typed = to_typed(cfg)
+        # The demo's own inputs do not exist yet; any other input (an override) must.
+        others = [p for p in input_problems(typed) if str(root) not in p]
+        problems = run_dir_problems(typed) + others
+        if problems:
+            raise RequestError(problems)
+        inputs = make_inputs(root)
         cfg = demo_config(inputs, output_root, run_id, overrides)
+        problems = input_problems(to_typed(cfg))
+        if problems:
+            raise RequestError(problems)
     except (TwoWorkerError, ValueError) as exc:
         console.error(f"{type(exc).__name__}: {exc}")
         return console.final(INVALID)
@@ -152,28 +169,68 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """The postflight of RUN_DIR, against its own record unless the flags say otherwise."""
     from rlinf_twoworker.verify import verify_run
 
-    placement = None
-    if args.expected_placement:
-        from rlinf_twoworker.overrides import parse_override
-
-        try:
-            _, _, placement = parse_override(f"placement={args.expected_placement}")
-        except TwoWorkerError as exc:
-            return _failed("verify", exc)
-        if not isinstance(placement, dict):
-            return _failed(
-                "verify",
-                TwoWorkerError(
-                    f"--expected-placement {args.expected_placement!r} is not a map like "
-                    '{rollout:0,inference:1,actor:"2-3",reward:0}'
-                ),
-            )
-    report = verify_run(
-        args.output_dir, args.target_steps, args.expected_nodes, expected_placement=placement
-    )
+    try:
+        run_dir = _verify_run_dir(args)
+        placement = _verify_placement(args.expected_placement)
+        expected = _verify_expected(run_dir, args, placement)
+    except TwoWorkerError as exc:
+        print(f"RLINF_VERIFICATION_STATUS=failed error={' '.join(str(exc).split())}", flush=True)
+        return INVALID
+    report = verify_run(run_dir, expected=expected)
     return OK if report.passed else FAILED
+
+
+def _verify_run_dir(args: argparse.Namespace) -> Path:
+    given = [d for d in (args.run_dir, args.output_dir) if d is not None]
+    if not given or (len(given) == 2 and Path(given[0]).resolve() != Path(given[1]).resolve()):
+        raise TwoWorkerError(
+            "give the run directory once: rlinf-twoworker verify RUN_DIR "
+            f"(got {'none' if not given else ' and '.join(given)})"
+        )
+    if args.output_dir is not None:
+        print(
+            "note: --output-dir is deprecated; pass the run directory as RUN_DIR", file=sys.stderr
+        )
+    return Path(given[0])
+
+
+def _verify_placement(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    from rlinf_twoworker.overrides import parse_override
+
+    _, _, placement = parse_override(f"placement={text}")
+    if not isinstance(placement, dict):
+        raise TwoWorkerError(
+            f"--expected-placement {text!r} is not a map like "
+            '{rollout:0,inference:1,actor:"2-3",reward:0}'
+        )
+    return placement
+
+
+def _verify_expected(
+    run_dir: Path, args: argparse.Namespace, placement: dict[str, Any] | None
+) -> Expected:
+    """From the run's record, each flag given replacing its value; without a readable record,
+    from the flags alone (--target-steps and --expected-nodes are then needed)."""
+    from rlinf_twoworker.verify import expected_at, expected_from_record
+
+    try:
+        return expected_from_record(run_dir, args.target_steps, args.expected_nodes, placement)
+    except TwoWorkerError:
+        if args.target_steps is None or args.expected_nodes is None:
+            raise
+    return expected_at(run_dir, args.target_steps, args.expected_nodes, placement)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not >= 1")
+    return value
 
 
 def cmd_readback(args: argparse.Namespace) -> int:
@@ -225,7 +282,13 @@ def _cluster_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlinf-twoworker", description=__doc__.splitlines()[0])
+    summary, _, rest = (__doc__ or "").partition("\n\n")
+    parser = argparse.ArgumentParser(
+        prog="rlinf-twoworker",
+        description=summary.strip(),
+        epilog=rest.strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keep the docstring's lines
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run",
@@ -245,15 +308,34 @@ def build_parser() -> argparse.ArgumentParser:
     preflight = sub.add_parser("preflight", help="placement and per-node preflight only")
     _cluster_args(preflight)
     preflight.set_defaults(func=cmd_preflight)
-    verify = sub.add_parser("verify", help="the postflight of a finished run directory")
-    verify.add_argument("--output-dir", required=True, help="the run directory")
-    verify.add_argument("--target-steps", type=int, required=True)
-    verify.add_argument("--expected-nodes", type=int, required=True)
+    verify = sub.add_parser(
+        "verify",
+        help="the postflight of a finished run directory, against its own record",
+        description="The postflight of RUN_DIR. What the run must show (steps, nodes, placement, "
+        "run id, output root, checkpoint, validation) comes from its record "
+        "hydra/.hydra/config.yaml; each flag replaces the record's value.",
+    )
+    verify.add_argument(
+        "run_dir", nargs="?", default=None, metavar="RUN_DIR", help="the run directory"
+    )
+    verify.add_argument(
+        "--output-dir", default=None, help="deprecated: the run directory (give RUN_DIR instead)"
+    )
+    verify.add_argument(
+        "--target-steps",
+        type=_positive_int,
+        default=None,
+        help="the step the run must end at (default: runner.max_steps; give it for a run that "
+        "runner.max_epochs ended earlier)",
+    )
+    verify.add_argument(
+        "--expected-nodes", type=_positive_int, default=None, help="default: cluster.num_nodes"
+    )
     verify.add_argument(
         "--expected-placement",
         default=None,
-        help="the placement the run must show, Hydra map syntax (default: the tutorial's "
-        '{rollout:0,inference:1,actor:"2-3",reward:0})',
+        help="the placement the run must show, Hydra map syntax (default: the record's, or "
+        'without one the tutorial\'s {rollout:0,inference:1,actor:"2-3",reward:0})',
     )
     verify.set_defaults(func=cmd_verify)
     readback = sub.add_parser("readback", help="load a finished run's checkpoint (no Ray, no GPU)")

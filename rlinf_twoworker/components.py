@@ -55,6 +55,11 @@ class RewardWorker:
     def ping(self) -> bool:
         return True
 
+    def attach_log(self, path: str) -> None:
+        from rlinf_twoworker.worker import attach_log
+
+        attach_log(path, "reward", self.rank)
+
 
 CLASSES = {
     "rollout": RolloutWorker,

@@ -188,6 +188,18 @@ class PromptSampler:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
+def validation_samples(pool: Sequence[Sample], cfg: Any) -> list[Sample]:
+    """The validation prompts of a run, fixed for its whole length: data.val_num_prompts
+    (default data.rollout_batch_size) of `pool`, drawn with data.seed when
+    data.validation_shuffle, else the first ones."""
+    data = cfg.data
+    count = min(len(pool), data.val_num_prompts or data.rollout_batch_size)
+    if not data.validation_shuffle:
+        return list(pool[:count])
+    order = np.random.default_rng([data.seed, 7]).permutation(len(pool))[:count]
+    return [pool[int(i)] for i in order]
+
+
 def encode_prompts(
     tokenizer: Any,
     prompts: Sequence[str],

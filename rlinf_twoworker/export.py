@@ -168,3 +168,4 @@ def _write_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path), {"format": "pt"})
+    path.chmod(0o644)  # safetensors writes 0600; the other nodes and users read the export

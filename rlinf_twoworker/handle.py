@@ -67,10 +67,13 @@ class RunHandle:
     def checkpoint(self, n: int) -> ray.ObjectRef:
         """Resolves to the CheckpointInfo of step n once it is complete on storage."""
         scheduled = ckpt.scheduled_steps(self._typed)
+        if n not in scheduled:  # runner.max_epochs may end the run, and checkpoint it, earlier
+            scheduled = ray.get(self._controller.checkpoint_steps.remote(), timeout=30)
         if n not in scheduled:
             raise ValueError(
                 f"no checkpoint is scheduled at step {n}; this run checkpoints at "
-                f"steps {scheduled} (runner.save_interval, and the last step)"
+                f"steps {scheduled} (runner.save_interval, and the last step; none with "
+                "runner.save_interval=-1)"
             )
         return self._controller.wait_checkpoint.remote(n)
 
@@ -105,12 +108,33 @@ class RunHandle:
         return bool(ready)
 
     def status(self) -> dict[str, Any]:
-        """State, current step, latest metrics and stage times, elapsed seconds."""
+        """state (pending, running, succeeded, failed, cancelled); phase (placement,
+        preflight, loading data, loading components, step n, validation after step n,
+        checkpoint n, postflight, done); steps_done of total_steps; step (the one in
+        progress); metrics and stage times of step metrics_step (the last one done); error;
+        elapsed_s."""
         return ray.get(self._controller.status.remote(), timeout=30)
 
+    def __repr__(self) -> str:
+        try:
+            status = self.status()
+        except Exception as exc:  # the controller is gone: say so, never raise from repr
+            return (
+                f"RunHandle(run_id={self.run_id!r}, controller unreachable: {type(exc).__name__})"
+            )
+        return (
+            f"RunHandle(run_id={self.run_id!r}, state={status['state']!r}, "
+            f"phase={status['phase']!r}, steps_done={status['steps_done']}/"
+            f"{status['total_steps']}, output_dir='{self.output_dir}')"
+        )
+
     def topology(self) -> list[dict[str, Any]]:
-        """Component, rank, bundle, node id, node IP and GPU ids of every process."""
-        return ray.get(self._controller.topology.remote(), timeout=30)
+        """Component, rank, bundle, node id, node IP and GPU ids of every process; raises
+        TwoWorkerError (saying the phase) before the components have started."""
+        try:
+            return ray.get(self._controller.topology.remote(), timeout=30)
+        except ray.exceptions.RayTaskError as exc:
+            raise _cause(exc) from None
 
     def cancel(self, timeout: float = 60.0) -> None:
         """Stop the run: pending futures raise RunCancelledError; actors and the placement
@@ -156,6 +180,12 @@ def _cause(exc: ray.exceptions.RayTaskError) -> BaseException:
 
 
 CONNECT_PROBE_S = 10.0
+_WHERE_TO_CONNECT = (
+    "The library connects to a running cluster and never starts one: run the Driver on a "
+    "node of the cluster (the Head), or give the cluster's address (the CLI's --address "
+    "HOST:PORT, the RAY_ADDRESS environment variable, or run_grpo_two_worker(..., "
+    "ray_address=...)). To try the library on this machine alone: rlinf-twoworker demo"
+)
 
 
 def _probe_address(ray_address: str) -> None:
@@ -172,7 +202,7 @@ def _probe_address(ray_address: str) -> None:
         raise ClusterError(
             f"no Ray cluster reachable at {ray_address}: cannot open a TCP connection to the "
             f"GCS ({exc}). Check the address (the head's `ray start --head` prints it) and "
-            "that the head is up; the library never starts Ray itself."
+            f"that the head is up. {_WHERE_TO_CONNECT}"
         ) from exc
 
 
@@ -204,10 +234,9 @@ def _connect(ray_address: str | None) -> None:
     try:
         ray.init(address=ray_address or "auto", namespace=NAMESPACE, log_to_driver=False)
     except (ConnectionError, RuntimeError) as exc:
+        reason = " ".join(str(exc).split()).rstrip(".")
         raise ClusterError(
-            f"no Ray cluster reachable at {ray_address or 'auto'}: {exc}. "
-            "Start the Driver on a node of a running cluster (the library never "
-            "starts Ray itself) or pass ray_address."
+            f"no Ray cluster reachable at {ray_address or 'auto'}: {reason}. {_WHERE_TO_CONNECT}"
         ) from exc
 
 

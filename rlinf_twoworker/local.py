@@ -7,7 +7,11 @@ CUDA_VISIBLE_DEVICES; otherwise the nodes declare logical GPUs and components ru
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -29,11 +33,33 @@ def visible_cuda_gpus() -> int:
         return 0
 
 
-class LocalCluster:
-    """`with LocalCluster(num_nodes=2, gpus_per_node=2) as c: ray.init(address=c.address)`.
+@contextlib.contextmanager
+def _host_address_untouched() -> Iterator[None]:
+    """Keep this host's record of *its* Ray cluster (<default temp dir>/ray_current_cluster,
+    how `ray.init("auto")` and `ray status` find the platform's cluster) as it is: Ray's test
+    cluster would overwrite it on start and delete it on shutdown."""
+    import ray._common.utils
+    import ray._private.utils
 
-    The context manager connects this process to the cluster (unless connect=False) and shuts
-    everything down on exit.
+    write, reset = ray._private.utils.write_ray_address, ray._common.utils.reset_ray_address
+    ray._private.utils.write_ray_address = lambda *args, **kwargs: None
+    ray._common.utils.reset_ray_address = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        ray._private.utils.write_ray_address, ray._common.utils.reset_ray_address = write, reset
+
+
+class LocalCluster:
+    """Several real Ray nodes on this host, on loopback, for the demo, tests and notebooks.
+
+        with LocalCluster(num_nodes=2, gpus_per_node=2) as cluster:
+            handle = run_grpo_two_worker(cfg)   # this process is connected already
+
+    The context manager connects this process (unless connect=False; then connect with
+    `ray.init(address=cluster.address)`) and shuts everything down on exit. The cluster keeps
+    its session files in a temporary directory of its own and never touches another Ray
+    cluster running on the host (its address file, its session directory).
     """
 
     def __init__(
@@ -54,6 +80,7 @@ class LocalCluster:
         self.object_store_bytes = object_store_mb * 1024 * 1024
         self.real_gpus = visible_cuda_gpus() >= num_nodes * gpus_per_node
         self._cluster: Any = None  # ray.cluster_utils.Cluster once started
+        self._temp_dir: str | None = None  # this cluster's own Ray temp directory
         self._connected = False  # whether start() connected this process (and so may shut down)
 
     @property
@@ -73,6 +100,7 @@ class LocalCluster:
             "node_ip_address": LOOPBACK,
             "object_store_memory": self.object_store_bytes,
             "resources": {f"local_node_{index}": 1.0},
+            "temp_dir": self._temp_dir,
         }
         if self.real_gpus:
             first = index * self.gpus_per_node
@@ -88,11 +116,14 @@ class LocalCluster:
         # Ray reads this switch when it is imported; a process that imported Ray before this
         # module needs the constant itself turned off, or the head dials the external address.
         ray_constants.ENABLE_RAY_CLUSTER = False
+        # Short: Ray's unix socket paths live under it and must stay under ~100 characters.
+        self._temp_dir = tempfile.mkdtemp(prefix="rlinf-ray-", dir="/tmp")
         head = dict(self._node_args(0), include_dashboard=False, dashboard_host=LOOPBACK)
-        cluster = Cluster(initialize_head=True, head_node_args=head)
-        self._cluster = cluster
-        for index in range(1, self.num_nodes):
-            cluster.add_node(**self._node_args(index))
+        with _host_address_untouched():
+            cluster = Cluster(initialize_head=True, head_node_args=head)
+            self._cluster = cluster
+            for index in range(1, self.num_nodes):
+                cluster.add_node(**self._node_args(index))
         cluster.wait_for_nodes()
         if self.connect and not ray.is_initialized():
             ray.init(
@@ -112,8 +143,12 @@ class LocalCluster:
             ray.shutdown()
         self._connected = False
         if self._cluster is not None:
-            self._cluster.shutdown()
+            with _host_address_untouched():
+                self._cluster.shutdown()
             self._cluster = None
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -174,5 +174,7 @@ def run_preflight(
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         (Path(output_dir) / "preflight.json").write_text(json.dumps(report.to_dict(), indent=2))
     if not report.passed:
-        raise PreflightError("preflight failed:\n" + "\n".join(report.errors))
+        count = len(report.errors)
+        problems = "1 problem" if count == 1 else f"{count} problems"
+        raise PreflightError(f"preflight failed ({problems}): " + "; ".join(report.errors))
     return report

@@ -73,7 +73,9 @@ class NodeProbe:
         """Configured input -> the path this node reads it from (the same path on shared storage)."""
         paths: list[str | None] = [cfg.actor.model.model_path, cfg.rollout.model.model_path]
         paths += [cfg.inference.model.model_path, cfg.actor.tokenizer.tokenizer_model]
+        paths += [cfg.inference.tokenizer.tokenizer_model]
         paths += cfg.data.train_data_paths
+        paths += cfg.data.val_data_paths if cfg.validates else []
         return {p: Path(p) for p in dict.fromkeys(paths) if p}
 
     def run(self, cfg: GRPOConfig | Mapping[str, Any], node_rank: int) -> dict[str, Any]:
@@ -105,8 +107,8 @@ class NodeProbe:
         for label, path in self.input_paths(cfg, node_rank).items():
             try:
                 r["manifests"][label] = verify_input(path)
-            except PreflightError as exc:
-                fail(f"input {label}", exc)  # the manifest error says what to do
+            except PreflightError as exc:  # it names the input and says what to do
+                errors.append(f"node {node_rank} ({r['hostname']}): {exc}")
         for model in dict.fromkeys(
             [
                 cfg.actor.model.model_path,

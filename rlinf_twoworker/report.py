@@ -2,8 +2,8 @@
 console (the run's log lines, with a one-line progress display on a terminal).
 
 Only files are read (tensorboard/events.out.tfevents.*), so `report` works on a finished run
-from any machine with the shared storage, and on a running one while it writes. matplotlib is
-an optional dependency (the `plot` extra), imported only to draw.
+from any machine with the shared storage, and on a running one while it writes. matplotlib (a
+dependency of the package) is imported only to draw.
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def plot(scalars: Scalars, out: str | Path, title: str = "") -> Path:
         from matplotlib.ticker import MaxNLocator
     except ImportError as exc:
         raise TwoWorkerError(
-            "the plot needs matplotlib, which is not installed: "
-            "pip install 'rlinf_twoworker[plot]' (or pip install matplotlib)"
+            "the plot needs matplotlib, which the package depends on but this environment "
+            "lacks: pip install matplotlib (or reinstall rlinf_twoworker), or pass --no-plot"
         ) from exc
     out = Path(out)
     figure, axes = plt.subplots(len(PANELS), 1, figsize=(8, 2.2 * len(PANELS)), sharex=True)
@@ -113,12 +113,12 @@ def plot(scalars: Scalars, out: str | Path, title: str = "") -> Path:
 
 
 def progress_line(status: dict[str, Any]) -> str:
-    """`step 3/10 running | reward -4.38 | loss 0.0121 | step 0.45s | 1m20s` from
-    RunHandle.status(); the metrics are the last finished step's."""
+    """`2/10 steps done | step 3 | reward -4.38 | loss 0.0121 | step 0.45s | 1m20s` from
+    RunHandle.status(): the phase, then the last finished step's metrics."""
     metrics = status.get("metrics") or {}
-    step, state = status.get("step", 0), status.get("state")
-    state = "setting up" if step == 0 and state == "running" else state
-    parts = [f"step {step}/{status.get('max_steps', '?')} {state}"]
+    total = status.get("total_steps", status.get("max_steps", "?"))
+    phase = status.get("phase") or status.get("state")
+    parts = [f"{status.get('steps_done', 0)}/{total} steps done", str(phase)]
     for label, tag, unit in (
         ("reward", REWARD, ""),
         ("loss", LOSS, ""),

@@ -17,7 +17,7 @@ import yaml
 from filelock import FileLock, Timeout
 from omegaconf import DictConfig
 
-from rlinf_twoworker.config import RUN_ID_PATTERN, to_yaml
+from rlinf_twoworker.config import RUN_ID_PATTERN, to_typed, to_yaml
 from rlinf_twoworker.errors import ComponentError, RunDirError, RunDirExistsError
 
 DRIVER_LOG = "driver.log"
@@ -94,10 +94,14 @@ def create_run_dir(cfg: DictConfig, overrides: Sequence[str] = ()) -> Path:
 
 
 def _write_config(run_dir: Path, cfg: DictConfig, overrides: Sequence[str]) -> None:
-    hydra_dir = run_dir / "hydra" / ".hydra"
-    hydra_dir.mkdir(parents=True)
-    atomic_write_text(hydra_dir / "config.yaml", to_yaml(cfg))
-    atomic_write_text(hydra_dir / "overrides.yaml", yaml.safe_dump(list(overrides)))
+    """The resolved config and the overrides in <run dir>/hydra/.hydra/ (the postflight reads
+    them there) and, where hydra.run.dir/hydra.output_subdir point elsewhere, there too."""
+    record = to_typed(cfg).hydra_record_dir
+    places = [run_dir / "hydra" / ".hydra", *([record] if record is not None else [])]
+    for hydra_dir in dict.fromkeys(p.resolve() for p in places):
+        hydra_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(hydra_dir / "config.yaml", to_yaml(cfg))
+        atomic_write_text(hydra_dir / "overrides.yaml", yaml.safe_dump(list(overrides)))
 
 
 def atomic_write_text(path: Path, text: str) -> None:

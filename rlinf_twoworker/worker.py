@@ -39,6 +39,45 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+class _Tee:
+    """A text stream that also writes to a log file (per-worker logs keep what the process
+    prints as well as its log records)."""
+
+    def __init__(self, stream: Any, log: Any) -> None:
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        self.log.flush()
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.log.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def attach_log(path: str, component: str, rank: int) -> None:
+    """runner.per_worker_log: this process's prints, warnings and log records also go to
+    `path` (log/<component>-<rank>.log in the run directory)."""
+    import logging
+    import sys
+
+    log = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (lives with the process)
+    sys.stdout = _Tee(sys.stdout, log)
+    sys.stderr = _Tee(sys.stderr, log)  # warnings print here too
+    handler = logging.StreamHandler(sys.stderr)  # records reach Ray's worker log and the file
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s {component}:{rank} %(levelname)s %(name)s: %(message)s")
+    )
+    library = logging.getLogger("rlinf_twoworker")
+    library.addHandler(handler)
+    library.setLevel(logging.INFO)
+    logging.getLogger("rlinf_twoworker").info(f"{component} rank {rank} logs to {path}")
+
+
 class Worker:
     """Identity, device and process-group membership of one component process."""
 
@@ -121,6 +160,13 @@ class Worker:
 
     def ping(self) -> bool:
         return True
+
+    def attach_log(self, path: str) -> None:
+        attach_log(path, self.component, self.rank)
+
+    def weights_dtype(self) -> str:
+        """The dtype of this process's copy of the weights (for the weight check)."""
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
     def weights_digest(self, sync_dtype: str) -> str:
         """SHA-256 of the full parameters in the sync dtype (a collective on the actor's ranks)."""

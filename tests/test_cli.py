@@ -16,6 +16,8 @@ import ray
 
 from rlinf_twoworker.config import to_yaml
 from rlinf_twoworker.demo import demo_config, make_inputs
+from rlinf_twoworker.driver import RequestError, env_overrides, resolve_request
+from rlinf_twoworker.errors import ConfigError
 from rlinf_twoworker.report import progress_line
 from rlinf_twoworker.verify import verify_run
 
@@ -103,10 +105,9 @@ def test_run_writes_every_status_line_and_passes_postflight(cli_run):
     # The Driver showed every driver.log line, and a progress line under them on the terminal.
     terminal = shown.replace("\r\n", "\n")
     assert all(line in terminal for line in lines)
-    assert "\r\x1b[Kstep 2/2 running | reward " in shown
-    verify = subprocess.run(
-        [*CLI, "verify", "--output-dir", str(run_dir), "--target-steps", "2"]
-        + ["--expected-nodes", "2"],
+    assert "\r\x1b[K1/2 steps done | step 2 | reward " in shown
+    verify = subprocess.run(  # the run's own record says what it must show
+        [*CLI, "verify", str(run_dir)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -189,6 +190,67 @@ def test_bad_request_fails_fast_without_a_cluster_and_touches_nothing(
     assert snapshot(tmp_path) == before
 
 
+def test_request_check_lists_every_problem_in_the_tutorials_order(config_file, tmp_path):
+    """A reused RUN_ID, a model path that is not there and an empty data file: one error
+    naming all three, RUN_ID first, so one attempt shows everything to fix."""
+    (tmp_path / RUNS / "taken").mkdir(parents=True)
+    empty = tmp_path / "empty.jsonl"
+    empty.touch()
+    env = {"RUN_ID": "taken", "WORK_ROOT": str(tmp_path), "TARGET_STEPS": "2"}
+    overrides = [
+        f"actor.model.model_path={tmp_path / 'no-model'}",
+        f"data.train_data_paths=[{empty}]",
+    ]
+    with pytest.raises(RequestError) as info:
+        resolve_request(str(config_file), overrides, env)
+    problems = info.value.problems
+    assert len(problems) == 3, problems
+    assert "run directory" in problems[0] and "already exists" in problems[0]
+    assert problems[1].startswith(f"actor.model.model_path = '{tmp_path / 'no-model'}'")
+    assert "the model directory does not exist" in problems[1]
+    assert problems[2] == (
+        f"data.train_data_paths: data file {empty} is empty; give the JSONL file with the prompts"
+    )
+    lines = str(info.value).splitlines()
+    assert lines == ["the request has 3 problems:", *(f"  - {p}" for p in problems)]
+
+
+def test_request_check_says_what_is_wrong_with_each_input(config_file, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1", "solutions": ["2"]}\n')
+    no_config, no_tokenizer = tmp_path / "no-config", tmp_path / "no-tokenizer"
+    no_config.mkdir()
+    no_tokenizer.mkdir()
+    overrides = [
+        f"rollout.model.model_path={data}",
+        f"inference.model.model_path={no_config}",
+        f"actor.tokenizer.tokenizer_model={no_tokenizer}",
+        f"data.train_data_paths=[{tmp_path / 'gone.jsonl'},{no_config}]",
+    ]
+    with pytest.raises(RequestError) as info:
+        resolve_request(str(config_file), overrides, {}, for_run=False)
+    problems = info.value.problems
+    assert len(problems) == 5, problems
+    assert problems[0].startswith(f"rollout.model.model_path = '{data}' is a file, not a dir")
+    assert problems[1].startswith("inference.model.model_path = ")
+    assert "has no readable config.json" in problems[1]
+    assert problems[2].startswith("actor.tokenizer.tokenizer_model = ")
+    assert "holds no tokenizer (neither tokenizer_config.json nor tokenizer.json)" in problems[2]
+    assert "gone.jsonl does not exist" in problems[3]
+    assert f"{no_config} is not a file" in problems[4]
+
+
+def test_environment_problems_come_together_and_a_config_error_comes_alone(config_file):
+    env = {"RUN_ID": "bad/id", "TARGET_STEPS": "1", "WORK_ROOT": "/no/such/root"}
+    with pytest.raises(RequestError) as info:
+        env_overrides(env, [], need_run_id=True)
+    problems = info.value.problems
+    assert [p.split("=", 1)[0] for p in problems] == ["RUN_ID", "TARGET_STEPS", "WORK_ROOT"]
+    assert str(info.value).startswith("the request has 3 problems:\n  - RUN_ID='bad/id'")
+    with pytest.raises(ConfigError, match="config key 'runner.max_steps' = 0"):
+        resolve_request(str(config_file), ["runner.max_steps=0"], env)
+
+
 def test_no_reachable_cluster_fails_fast_and_creates_nothing(config_file, tmp_path):
     started = time.monotonic()
     done = subprocess.run(
@@ -258,8 +320,12 @@ def test_preflight_command_passes_and_fails_with_the_tutorial_lines(cluster_2x2,
 def test_progress_line_shows_step_reward_loss_and_time():
     status = {
         "state": "running",
+        "phase": "step 3",
+        "steps_done": 2,
         "step": 3,
+        "total_steps": 10,
         "max_steps": 10,
+        "metrics_step": 2,
         "elapsed_s": 83.2,
         "metrics": {
             "rollout/reward_scores": -4.375,
@@ -268,5 +334,5 @@ def test_progress_line_shows_step_reward_loss_and_time():
         },
     }
     assert progress_line(status) == (
-        "step 3/10 running | reward -4.375 | loss 0.0121 | step 0.45s | 1m23s"
+        "2/10 steps done | step 3 | reward -4.375 | loss 0.0121 | step 0.45s | 1m23s"
     )

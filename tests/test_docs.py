@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from rlinf_twoworker.cli import build_parser
-from rlinf_twoworker.config import IGNORED_RLINF_KEYS, GRPOConfig
+from rlinf_twoworker.config import GRPOConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -50,10 +50,14 @@ def test_every_config_key_is_in_the_config_reference():
     assert missing == [], f"docs/config.md does not document: {missing}"
 
 
-def test_every_ignored_rlinf_key_is_in_the_config_reference():
+def test_every_rlinf_rule_is_in_the_config_reference():
+    """Each RLinf key without a setting of its own (compat.RULES) is listed, so a user finds
+    how the library takes it."""
+    from rlinf_twoworker.compat import RULES
+
     text = (DOCS / "config.md").read_text(encoding="utf-8")
-    missing = [k for k in IGNORED_RLINF_KEYS if f"`{k.rpartition('.')[2]}`" not in text]
-    assert missing == [], f"docs/config.md does not list the dropped RLinf keys: {missing}"
+    missing = [r.key for r in RULES if f"`{r.key}`" not in text]
+    assert missing == [], f"docs/config.md does not list these RLinf keys: {missing}"
 
 
 def test_every_subcommand_is_in_the_docs():
@@ -94,9 +98,9 @@ SECTIONS = ("cluster", "runner", "algorithm", "data", "actor", "rollout", "infer
 def test_every_config_key_the_docs_name_exists():
     """A key written in the docs (`runner.max_tokens_per_mbs`, `actor.optim.lr=...`) is a key
     of the schema, an entry of a mapping-valued key (`cluster.component_placement.actor`) or one
-    of RLinf's keys the loader drops with a note, so no page tells users to set something that
-    is not there. Quoted error messages about unknown keys and file names are not keys."""
-    known = set(schema_keys(GRPOConfig())) | set(IGNORED_RLINF_KEYS)
+    a key inside an RLinf engine setting (`rollout.sglang.*`), so no page tells users to set
+    something that is not there. Quoted error messages about unknown keys and file names are not keys."""
+    known = set(schema_keys(GRPOConfig()))
     mappings = {k for k in known if isinstance(_default(k), dict)}
     sections = "|".join(SECTIONS)
     pattern = re.compile(rf"(?<![\w./-])((?:{sections})(?:\.\w+)+)")

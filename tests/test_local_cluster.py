@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import ray
@@ -122,3 +123,41 @@ def test_second_cluster_leaves_this_process_connected_to_the_first(cluster_2x2):
     actor = Pinned.remote()
     assert ray.get(actor.node.remote(), timeout=60)
     ray.kill(actor)
+
+
+def _read(path: str) -> str:
+    with open(path) as handle:
+        return handle.read()
+
+
+def test_a_local_cluster_leaves_another_clusters_address_and_sessions_alone(tmp_path):
+    """On a managed Head the platform's cluster is found through <default temp dir>/
+    ray_current_cluster and /tmp/ray/session_latest: a LocalCluster must not rewrite or
+    delete either (its own session files live in a directory of its own)."""
+    from ray._common.utils import get_default_ray_temp_dir
+
+    default = get_default_ray_temp_dir()
+    address_file = os.path.join(default, "ray_current_cluster")
+    latest = os.path.join(default, "session_latest")
+    before = _read(address_file) if os.path.exists(address_file) else None
+    latest_before = os.path.realpath(latest) if os.path.lexists(latest) else None
+    os.makedirs(default, exist_ok=True)
+    with open(address_file, "w") as handle:
+        handle.write("10.11.12.13:6379")  # "the platform's cluster"
+    try:
+        cluster = LocalCluster(num_nodes=1, gpus_per_node=1, connect=False)
+        with cluster:
+            own = cluster._temp_dir
+            assert own is not None and not own.startswith(default + os.sep)
+            assert any(name.startswith("session_") for name in os.listdir(own))
+            assert _read(address_file) == "10.11.12.13:6379"
+        assert _read(address_file) == "10.11.12.13:6379"
+        assert not os.path.exists(own)  # its own files go with it
+        now = os.path.realpath(latest) if os.path.lexists(latest) else None
+        assert now == latest_before
+    finally:
+        if before is None:
+            os.remove(address_file)
+        else:
+            with open(address_file, "w") as handle:
+                handle.write(before)
