@@ -1,0 +1,275 @@
+"""Learning benchmark: GRPO must raise the reward of the demo's 24M model on "add-hard".
+
+    python benchmarks/bench_learning.py --tag h200               # one GPU, 120 steps
+    python benchmarks/bench_learning.py --smoke --tag cpu-smoke  # CPU, tiny model, 8 steps
+
+The model is `make_inputs(size="small")`: a random Qwen2 (8 layers, hidden 512) whose answer
+prior makes it reply with one digit 0..8 then EOS, so a random policy is right about one time in
+nine on "What is a+b?" (a, b in 0..4, the answer uniform over 0..8: no answer pays more than
+another unless the policy reads the prompt). The run goes through the public API only
+(`run_grpo_two_worker` on a one-node, one-GPU `LocalCluster`, every component on resource rank
+0), with the library's defaults except the batch (32 prompts x 8 answers), the run's length,
+and the speed settings of docs/performance.md.
+
+Per step it records the reward, the correct fraction, the loss, the grad norm, the share of
+groups whose answers disagree (the groups with non-zero advantages), every metric about ratios,
+clipping, KL or entropy, and the step's seconds. It writes benchmarks/results/learning-<tag>.json
+and .png (reward against step), prints steps/s and the first-10 and last-10 mean rewards, and
+exits 1 when the reward did not rise (last-10 mean <= first-10 mean), when a step had an all-zero
+gradient without every answer right (every group tied: nothing to learn from), or when the
+postflight failed; with --smoke only the last two count (8 steps of 64 answers are noise).
+Extra arguments are config overrides (a.b=c), applied last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from rlinf_twoworker import RunHandle, run_grpo_two_worker
+from rlinf_twoworker.components import RewardWorker
+from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.demo import demo_config, make_inputs
+from rlinf_twoworker.local import LocalCluster
+from rlinf_twoworker.results import StepResult
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WINDOW = 10
+"""Steps averaged at each end of the run to decide whether the reward rose."""
+STEP_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class Scale:
+    accelerator: str
+    size: str
+    """A key of rlinf_twoworker.demo.MODEL_SIZES."""
+    steps: int
+    prompts: int
+    group_size: int
+    lr: float | None
+    """actor.optim.lr; None keeps the library's default."""
+
+
+GPU = Scale("cuda", "small", steps=120, prompts=32, group_size=8, lr=None)
+# The CPU check: every stage and output of the GPU run, at a size 2 cores finish in minutes;
+# the 83k-parameter model needs a large learning rate to move at all in 8 steps.
+SMOKE = Scale("cpu", "tiny", steps=8, prompts=8, group_size=8, lr=1e-3)
+
+
+class GroupSpreadReward(RewardWorker):
+    """The library's reward component that also appends, per step, the share of groups whose
+    rewards differ to `log_path`: only those groups get non-zero GRPO advantages, and no metric
+    reports it."""
+
+    log_path = ""
+
+    def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
+        super().__init__(cfg, rank)
+        self.group_size = cfg.algorithm.group_size
+
+    async def score(self, answers: list[str], solutions: list[list[str]]) -> dict[str, Any]:
+        graded = await super().score(answers, solutions)
+        groups = torch.tensor(graded["scores"]).view(-1, self.group_size)
+        spread = (groups.amax(-1) > groups.amin(-1)).float().mean().item()
+        with open(self.log_path, "a", encoding="utf-8") as log:
+            log.write(f"{spread}\n")
+        return graded
+
+
+def overrides(scale: Scale, steps: int, lr: float | None) -> list[str]:
+    """Settings on top of demo_config: one node, one GPU, the batch and the run's length."""
+    return [
+        f"cluster.accelerator={scale.accelerator}",
+        "cluster.num_nodes=1",
+        "cluster.num_gpus_per_node=1",
+        'cluster.component_placement={rollout:0,inference:0,actor:"0",reward:0}',
+        f"runner.max_steps={steps}",
+        f"runner.save_interval={steps}",  # one checkpoint, at the end
+        f"data.rollout_batch_size={scale.prompts}",
+        f"algorithm.group_size={scale.group_size}",
+        *([f"actor.optim.lr={lr}"] if lr is not None else []),
+        # docs/performance.md: the same update, in fewer and larger micro-batches.
+        "runner.enable_dynamic_batch_size=true",
+        "runner.max_tokens_per_mbs=4096",
+        f"algorithm.logprob_forward_micro_batch_size={scale.prompts * scale.group_size}",
+    ]
+
+
+def train(handle: RunHandle, steps: int) -> list[StepResult]:
+    """Every step's result, in order, printed as it comes."""
+    results = []
+    for n in range(1, steps + 1):
+        results.append(ray.get(handle.step(n), timeout=STEP_TIMEOUT_S))
+        print(_progress(results[-1]), flush=True)
+    return results
+
+
+def _progress(result: StepResult) -> str:
+    m = result.metrics
+    return (
+        f"step {result.step:4d}  reward {m['rollout/reward_scores']:+.3f}  "
+        f"correct {m['rollout/correct_fraction']:.3f}  "
+        f"loss {m['actor/training/actor/final_loss']:+.4f}  "
+        f"grad_norm {m['actor/training/actor/grad_norm']:.4f}  "
+        f"step_s {result.timings['time/step']:.2f}"
+    )
+
+
+def record(result: StepResult, spread: float) -> dict[str, float]:
+    """One step's row of the JSON: the named metrics, every ratio/clip/KL/entropy metric, the
+    step's seconds."""
+    m = result.metrics
+    row = {
+        "step": result.step,
+        "reward": m["rollout/reward_scores"],
+        "correct_fraction": m["rollout/correct_fraction"],
+        "loss": m["actor/training/actor/final_loss"],
+        "grad_norm": m["actor/training/actor/grad_norm"],
+        "groups_with_spread": spread,
+        "response_length": m["rollout/response_length"],
+        "step_s": result.timings["time/step"],
+    }
+    watched = ("ratio", "clip", "kl", "entropy", "logprob")
+    row.update({k: v for k, v in m.items() if any(w in k for w in watched)})
+    return row
+
+
+def summarise(rows: list[dict[str, float]], wall_s: float) -> dict[str, Any]:
+    rewards = [r["reward"] for r in rows]
+    window = min(WINDOW, len(rows) // 2) or 1
+    first, last = statistics.fmean(rewards[:window]), statistics.fmean(rewards[-window:])
+    return {
+        "steps": len(rows),
+        "window": window,
+        "first_mean_reward": first,
+        "last_mean_reward": last,
+        "reward_rose": last > first,
+        # A step whose answers were all right has nothing left to learn; any other step
+        # with a zero gradient had every group tied, so GRPO learned nothing from it.
+        "zero_grad_steps": [
+            r["step"] for r in rows if r["grad_norm"] == 0.0 and r["correct_fraction"] < 1.0
+        ],
+        "steps_per_s": len(rows) / sum(r["step_s"] for r in rows),
+        "wall_s": wall_s,
+    }
+
+
+def plot(rows: list[dict[str, float]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    axis.plot([r["step"] for r in rows], [r["reward"] for r in rows], marker=".")
+    axis.set_xlabel("GRPO step")
+    axis.set_ylabel("mean reward (+5 right, -5 wrong)")
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tag", default="h200", help="names the result files")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few steps")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: scale's)")
+    parser.add_argument("--lr", type=float, default=None, help="actor.optim.lr")
+    parser.add_argument("--task", default="digit", help="a demo task (default: digit)")
+    parser.add_argument("--size", default=None, help="demo model size (default: scale's)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts a step")
+    parser.add_argument("--cpu", action="store_true", help="the GPU scale, on the CPU")
+    parser.add_argument("--work-dir", default=None, help="inputs and run (default: a temp dir)")
+    parser.add_argument("--out-dir", default=str(RESULTS), help="where the JSON and PNG go")
+    parser.add_argument("overrides", nargs="*", help="more config overrides (a.b=c), last")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    scale = SMOKE if args.smoke else GPU
+    scale = replace(
+        scale,
+        accelerator="cpu" if args.cpu else scale.accelerator,
+        size=args.size or scale.size,
+        prompts=args.prompts or scale.prompts,
+    )
+    steps, lr = args.steps or scale.steps, args.lr or scale.lr
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-learning-")).resolve()
+    # One epoch of distinct records for the whole run (runner.max_epochs is 1).
+    samples = scale.prompts * steps
+    inputs = make_inputs(work / "inputs", task=args.task, num_samples=samples, size=scale.size)
+    extra = [*overrides(scale, steps, lr), *args.overrides]
+    cfg = demo_config(inputs, work / "runs", f"learning-{args.tag}", extra)
+    spread_log = work / "group-spread.txt"
+    spread_log.unlink(missing_ok=True)
+    reward = type("Reward", (GroupSpreadReward,), {"log_path": str(spread_log)})
+    meta = {
+        "scale": asdict(scale),
+        "steps": steps,
+        "lr": cfg.actor.optim.lr,
+        "overrides": args.overrides,
+        "task": args.task,
+    }
+    meta |= {"torch": torch.__version__, "device": _device_name(scale), "work_dir": str(work)}
+    start = time.perf_counter()
+    with LocalCluster(num_nodes=1, gpus_per_node=1):
+        handle = run_grpo_two_worker(cfg, component_classes={"reward": reward})
+        results = train(handle, steps)
+        spreads = [float(x) for x in spread_log.read_text().split()]
+        rows = [record(r, spread) for r, spread in zip(results, spreads)]
+        summary = summarise(rows, time.perf_counter() - start)
+        write(Path(args.out_dir), args.tag, {"meta": meta, "summary": summary, "steps": rows})
+        report = handle.result(timeout=STEP_TIMEOUT_S)  # the postflight, after the data is safe
+    summary |= {"postflight_passed": report.passed, "postflight_errors": report.errors}
+    write(Path(args.out_dir), args.tag, {"meta": meta, "summary": summary, "steps": rows})
+    print(
+        f"steps/s {summary['steps_per_s']:.3f}  mean reward first {summary['window']} steps "
+        f"{summary['first_mean_reward']:+.3f}, last {summary['window']} "
+        f"{summary['last_mean_reward']:+.3f}  postflight {'passed' if report.passed else 'FAILED'}"
+    )
+    return _verdict(summary, require_rise=not args.smoke)
+
+
+def write(out: Path, tag: str, payload: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"learning-{tag}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    meta = payload["meta"]
+    title = f"{meta['scale']['size']} model, task {meta['task']}, {tag}"
+    plot(payload["steps"], out / f"learning-{tag}.png", title)
+
+
+def _device_name(scale: Scale) -> str:
+    return torch.cuda.get_device_name() if scale.accelerator == "cuda" else "cpu"
+
+
+def _verdict(summary: dict[str, Any], require_rise: bool) -> int:
+    failures = []
+    if not summary["reward_rose"] and require_rise:
+        failures.append("the reward did not rise")
+    elif not summary["reward_rose"]:  # --smoke: a few steps of 64 answers are mostly noise
+        print("the reward did not rise (not required with --smoke)")
+    if summary["zero_grad_steps"]:
+        failures.append(f"all-zero gradients at steps {summary['zero_grad_steps']}")
+    if not summary["postflight_passed"]:
+        failures.append(f"the postflight failed: {summary['postflight_errors']}")
+    for failure in failures:
+        print(f"FAIL: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
