@@ -483,6 +483,11 @@ class InferenceConfig:
     group_name: str = "InferenceGroup"
     load_from_actor: bool = True
     fsdp_config: dict[str, Any] = field(default_factory=dict)
+    compile: bool | None = None
+    """On GPUs: compile the decoder layers and log-softmax as the actor does. None follows
+    actor.compile (the same kernels on both sides: the first minibatch's ratio is 1 up to
+    rounding); false computes the old log-probs eagerly (no compile time, and a small
+    mismatch with the actor's compiled kernels)."""
 
     def __post_init__(self) -> None:
         _require(

@@ -32,9 +32,10 @@ class InferenceWorker(PolicyCopy):
         self.dtype = dtype_for(cfg.inference.model.precision, self.device)
         self.model = load_causal_lm(cfg.inference.model.model_path, self.dtype, self.device).eval()
         # The actor's kernels: its decoder layers and log-softmax are compiled on GPUs (with
-        # actor.compile), so the old log-probs are computed the same way as the new ones and
-        # the first minibatch's ratio is 1 up to rounding.
-        self.fused = self.device.type == "cuda" and cfg.actor.compile
+        # actor.compile), so by default the old log-probs are computed the same way as the new
+        # ones and the first minibatch's ratio is 1 up to rounding.
+        wanted = cfg.actor.compile if cfg.inference.compile is None else cfg.inference.compile
+        self.fused = self.device.type == "cuda" and wanted
         compile_layers(self.model, self.fused)
 
     @torch.no_grad()
