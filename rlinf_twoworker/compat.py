@@ -8,8 +8,10 @@ user gave it) and has exactly one rule here:
 - `Rule(key, allowed, why)`: only these values ask for what the library does; another value is
   refused with a ConfigError naming the key, the value and `why` (what to do instead).
 
-Keys with behaviour of their own (hydra.run.dir, runner.logger.log_path, the tokenizer paths)
-are checked in config.py, where the run directory is known.
+Keys with behaviour of their own are implemented where they act: hydra.run.dir and
+hydra.output_subdir (where the Hydra record is also written, rundir.py), runner.logger.log_path
+(where tensorboard/ goes), inference.tokenizer.tokenizer_model (noted when it differs from the
+actor's: inference reads token ids only).
 """
 
 from __future__ import annotations
@@ -109,6 +111,11 @@ RULES: tuple[Rule, ...] = (
     Rule("algorithm.reinpp_kl_beta", (0, 0.0), "it belongs to adv_type=reinpp; GRPO only here"),
     Rule("algorithm.use_reinpp_baseline", None, "it belongs to adv_type=reinpp; no effect on GRPO"),
     Rule("algorithm.down_sampling.do_down_sampling", (False,), "down-sampling is not supported"),
+    Rule(
+        "algorithm.down_sampling.down_sampling_config",
+        None,
+        "used only with do_down_sampling, which must be false",
+    ),
     Rule("data.type", ("math",), "the library trains math data (AReaL-boba JSONL) only"),
     Rule("data.dataset_name", None, _NAME),
     Rule("data.num_workers", None, "data-loader processes; the library reads the file once"),
@@ -125,6 +132,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule("rollout.group_name", None, _NAME),
     Rule("rollout.model.model_type", None, "the architecture is read from config.json"),
+    Rule("rollout.model.is_lora", (False,), "LoRA is not supported; set it false"),
     Rule("rollout.gpu_memory_utilization", None, _ENGINE),
     Rule("rollout.enforce_eager", None, _ENGINE),
     Rule("rollout.distributed_executor_backend", None, _ENGINE),
@@ -222,8 +230,8 @@ RULES: tuple[Rule, ...] = (
 @dataclass(kw_only=True)
 class HydraRun:
     dir: str | None = None
-    """RLinf's Hydra run directory; only `<run dir>/hydra` (where the library keeps Hydra's
-    files) or, with output_subdir null, any value."""
+    """RLinf's Hydra run directory: the Hydra record (config.yaml, overrides.yaml) is also
+    written to <dir>/<output_subdir>; None: <run dir>/hydra."""
 
 
 @dataclass(kw_only=True)
@@ -237,15 +245,16 @@ class HydraConfig:
     run: HydraRun = field(default_factory=HydraRun)
     job: HydraJob = field(default_factory=HydraJob)
     output_subdir: str | None = ".hydra"
-    """Only '.hydra' (the resolved config goes to <run dir>/hydra/.hydra/) or null (RLinf
-    keeps no Hydra record; the library keeps it anyway, the postflight reads it)."""
+    """Where under hydra.run.dir the Hydra record is also written; null: nowhere else (RLinf
+    keeps none; the library always keeps <run dir>/hydra/.hydra/, which the postflight reads)."""
     searchpath: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
 class LoggerConfig:
     log_path: str | None = None
-    """Where TensorBoard and the logs go: only the run directory (or unset, the same)."""
+    """Where tensorboard/ goes (RLinf's meaning); None: the run directory. The postflight and
+    `report` read it from the run's record."""
     project_name: str = "rlinf"
     experiment_name: str | None = None
     logger_backends: list[str] = field(default_factory=lambda: ["tensorboard"])

@@ -115,12 +115,16 @@ class RunController:
         future = self.steps.setdefault(n, _Future())
         if n > self.total_steps:
             future.fail(self._past_the_end(n, "step"))
+        elif self.error is not None:  # asked for after the run ended without it
+            future.fail(self.error)
         return future
 
     def _checkpoint_future(self, n: int) -> _Future:
         future = self.checkpoints.setdefault(n, _Future())
         if n not in ckpt.scheduled_steps(self.cfg, self.total_steps):
             future.fail(self._past_the_end(n, "checkpoint"))
+        elif self.error is not None:
+            future.fail(self.error)
         return future
 
     def _past_the_end(self, n: int, what: str) -> TwoWorkerError:

@@ -27,9 +27,11 @@ class RequestError(TwoWorkerError):
 
     def __init__(self, problems: str | Sequence[str]) -> None:
         self.problems = [problems] if isinstance(problems, str) else list(problems)
-        count = f"{len(self.problems)} problem" + "s" * (len(self.problems) != 1)
+        if len(self.problems) == 1:
+            super().__init__(self.problems[0])
+            return
         listed = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"the request has {count}:\n{listed}")
+        super().__init__(f"the request has {len(self.problems)} problems:\n{listed}")
 
     def __reduce__(self) -> tuple:  # errors cross process boundaries through Ray
         return (type(self), (self.problems,))

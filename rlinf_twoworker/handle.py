@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlinf_twoworker import checkpoint as ckpt
 from rlinf_twoworker.components import NAMESPACE, death_cause
-from rlinf_twoworker.config import GRPOConfig, to_typed
+from rlinf_twoworker.config import GRPOConfig, config_notes, to_typed
 from rlinf_twoworker.errors import ClusterError, ComponentError, TwoWorkerError
 from rlinf_twoworker.rundir import (
     DRIVER_LOG,
@@ -279,6 +279,7 @@ def run_grpo_two_worker(
     component's class (tests inject failing ones)."""
     cfg = OmegaConf.structured(cfg) if isinstance(cfg, GRPOConfig) else cfg.copy()
     typed = to_typed(cfg)
+    config_notes(cfg)  # a refused RLinf value fails here, before anything is created
     output_root = Path(typed.runner.output_dir).resolve()
     cfg.runner.output_dir = str(output_root)
     run_dir = run_dir_of(output_root, typed.runner.experiment_name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlinf_twoworker.rundir import TENSORBOARD_DIR
+from rlinf_twoworker.rundir import CONFIG_YAML, TENSORBOARD_DIR
 
 
 class MetricsWriter:
@@ -25,9 +25,22 @@ class MetricsWriter:
         self.writer.close()
 
 
+def tensorboard_dir(run_dir: str | Path) -> Path:
+    """Where the run's TensorBoard files are: <runner.logger.log_path>/tensorboard, as the
+    run's record (hydra/.hydra/config.yaml) gives it, else <run dir>/tensorboard."""
+    import yaml
+
+    try:
+        record = yaml.safe_load((Path(run_dir) / CONFIG_YAML).read_text(encoding="utf-8"))
+        log_path = record["runner"]["logger"]["log_path"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):  # no record: the default place
+        log_path = None
+    return Path(log_path or run_dir) / TENSORBOARD_DIR
+
+
 def event_files(run_dir: str | Path) -> list[Path]:
     """The run's TensorBoard event files, in name order."""
-    directory = Path(run_dir) / TENSORBOARD_DIR
+    directory = tensorboard_dir(run_dir)
     return sorted(p for p in directory.rglob("events.out.tfevents.*") if p.is_file())
 
 

@@ -1,8 +1,9 @@
 """Hydra's override syntax and RLinf's YAML files, on top of the config schema.
 
 Overrides (`a.b=c`, `+a.b=c`, `a.b=[x,y]`, `a={k:v}`) are read with Hydra's scalar rules, so a
-value means what it means on Hydra's command line. RLinf's files load unchanged: keys that have
-no meaning here are dropped with a logged note; any other unknown key is an error.
+value means what it means on Hydra's command line. Every key of RLinf's files is in the schema,
+so they load unchanged (compat.py says how each key without a setting of its own is taken); a
+key that is in neither is an error that names the closest known key.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rlinf_twoworker.errors import TwoWorkerError
-from rlinf_twoworker.metrics import event_files, read_scalars
-from rlinf_twoworker.rundir import DRIVER_LOG, TENSORBOARD_DIR
+from rlinf_twoworker.metrics import event_files, read_scalars, tensorboard_dir
+from rlinf_twoworker.rundir import DRIVER_LOG
 
 REWARD = "rollout/reward_scores"
 LOSS = "actor/training/actor/final_loss"
@@ -55,7 +55,7 @@ def load_scalars(run_dir: str | Path) -> Scalars:
     files = event_files(run_dir)
     if not files:
         raise TwoWorkerError(
-            f"{Path(run_dir) / TENSORBOARD_DIR} holds no events.out.tfevents.* file: the run "
+            f"{tensorboard_dir(run_dir)} holds no events.out.tfevents.* file: the run "
             "has not finished a step yet, or this is not a run directory"
         )
     return read_scalars(files)
@@ -112,6 +112,16 @@ def plot(scalars: Scalars, out: str | Path, title: str = "") -> Path:
     return out
 
 
+def one_line(text: str) -> str:
+    """A multi-line message on one line: lines joined with '; ', a list's '- ' markers dropped,
+    and a line that introduces a list (ends with ':') joined by a space."""
+    parts = [line.strip().removeprefix("- ") for line in text.splitlines() if line.strip()]
+    out = ""
+    for part in parts:
+        out += part if not out else (" " if out.endswith(":") else "; ") + part
+    return out
+
+
 def progress_line(status: dict[str, Any]) -> str:
     """`2/10 steps done | step 3 | reward -4.38 | loss 0.0121 | step 0.45s | 1m20s` from
     RunHandle.status(): the phase, then the last finished step's metrics."""
@@ -160,9 +170,7 @@ class DriverConsole:
 
     def error(self, text: str) -> None:
         """One line, whatever the message: `RLINF_ERROR=<reason>` on stderr."""
-        self._write(
-            self.err, "RLINF_ERROR=" + "; ".join(s.strip() for s in text.splitlines() if s.strip())
-        )
+        self._write(self.err, "RLINF_ERROR=" + one_line(text))
 
     def final(self, code: int) -> int:
         self.line(f"STARTUP_EXIT_CODE={code}")

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from rlinf_twoworker.config import GRPOConfig, load_config, to_typed
 from rlinf_twoworker.errors import TwoWorkerError, VerificationError
-from rlinf_twoworker.metrics import event_files, read_scalars
+from rlinf_twoworker.metrics import event_files, read_scalars, tensorboard_dir
 from rlinf_twoworker.placement import COMPONENTS, parse_ranks
 from rlinf_twoworker.rundir import (
     CONFIG_YAML,
@@ -30,7 +30,6 @@ from rlinf_twoworker.rundir import (
     FAILURE_JSON,
     MAIN_LOG,
     PREFLIGHT_JSON,
-    TENSORBOARD_DIR,
     VERIFICATION_JSON,
     atomic_write_text,
     checkpoint_dir,
@@ -461,7 +460,7 @@ def _resolved_placement(spec: Any, gpus_per_node: Any) -> dict:
 
 
 def _check_metrics(run_dir: Path, report: VerificationReport, expected: Expected) -> list[str]:
-    directory = run_dir / TENSORBOARD_DIR
+    directory = tensorboard_dir(run_dir)
     files = event_files(run_dir)
     if not files:
         return [

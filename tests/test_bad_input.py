@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -270,6 +271,10 @@ def test_missing_model_file_fails_preflight_naming_it(cluster_2x2, inputs, tmp_p
     assert isinstance(error, PreflightError)
     assert f"{inputs.model_path / 'model.safetensors'} (listed in" in str(error)
     assert "is missing or not a regular file" in str(error)
+    # one readable sentence per node: "preflight failed (2 problems): node 0 (host): input ..."
+    assert re.match(r"preflight failed \(\d problems?\): node \d \(", str(error)), str(error)
+    assert ":;" not in str(error) and "\n" not in str(error)
+    assert str(error).count(f"{inputs.model_path / 'model.safetensors'} (listed in") == 2
     assert_failed_cleanly(tmp_path / "out" / "no-weights", inputs, before, error)
 
 
@@ -387,3 +392,16 @@ def test_a_driver_on_a_node_without_gpus_is_told_at_once(tmp_path):
     )
     assert "ClusterError: this node (the Driver's" in done.stdout, done.stdout + done.stderr
     assert "has 0 GPU(s)" in done.stdout
+
+
+def test_a_hand_built_config_with_a_refused_rlinf_value_fails_before_anything(tmp_path):
+    """A GRPOConfig built in Python goes through the same RLinf-key rules as a loaded one."""
+    from rlinf_twoworker.config import ActorConfig, GRPOConfig, RunnerConfig
+
+    cfg = GRPOConfig(
+        actor=ActorConfig(training_backend="megatron"),
+        runner=RunnerConfig(output_dir=str(tmp_path / "out")),
+    )
+    with pytest.raises(ConfigError, match="actor.training_backend"):
+        run_grpo_two_worker(cfg)
+    assert not (tmp_path / "out").exists()

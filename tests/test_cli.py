@@ -18,7 +18,7 @@ from rlinf_twoworker.config import to_yaml
 from rlinf_twoworker.demo import demo_config, make_inputs
 from rlinf_twoworker.driver import RequestError, env_overrides, resolve_request
 from rlinf_twoworker.errors import ConfigError
-from rlinf_twoworker.report import progress_line
+from rlinf_twoworker.report import one_line, progress_line
 from rlinf_twoworker.verify import verify_run
 
 CLI = [sys.executable, "-m", "rlinf_twoworker.cli"]
@@ -264,8 +264,34 @@ def test_no_reachable_cluster_fails_fast_and_creates_nothing(config_file, tmp_pa
     assert done.returncode == 3
     errors = [line for line in done.stderr.splitlines() if line.startswith("RLINF_ERROR=")]
     assert len(errors) == 1 and "no Ray cluster reachable" in errors[0], done.stderr
+    # it tells a CLI user their own ways in, and the way to try without a cluster
+    for hint in ("--address", "RAY_ADDRESS", "rlinf-twoworker demo"):
+        assert hint in errors[0], errors[0]
+    assert ".." not in errors[0].replace("...", "")
     assert done.stdout.splitlines()[-1] == "STARTUP_EXIT_CODE=3"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_checks_the_request_before_writing_anything(tmp_path):
+    """A typo in a demo override, or a reused run id, fails in seconds, before any input,
+    cluster or run directory is made."""
+    (tmp_path / "taken").mkdir()
+    for args, says in (
+        (["--run-id", "fresh", "runner.max_step=3"], "did you mean 'runner.max_steps'?"),
+        (["--run-id", "taken"], "already exists"),
+        (["--run-id", "fresh", "actor.model.model_path=/nowhere"], "'/nowhere': the model dir"),
+    ):
+        started = time.monotonic()
+        done = subprocess.run(
+            [*CLI, "demo", "--output-root", str(tmp_path), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert time.monotonic() - started < 30
+        assert done.returncode == 2, done.stderr
+        assert says in done.stderr, done.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
 
 
 def test_cluster_with_fewer_nodes_than_asked_is_refused(cluster_2x2, config_file, tmp_path):
@@ -315,6 +341,12 @@ def test_preflight_command_passes_and_fails_with_the_tutorial_lines(cluster_2x2,
     while live_placement_groups() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert live_placement_groups() == []
+
+
+def test_an_error_on_one_line_reads_as_one_sentence():
+    text = "the request has 2 problems:\n  - RUN_ID is bad\n  - the data is empty"
+    assert one_line(text) == "the request has 2 problems: RUN_ID is bad; the data is empty"
+    assert one_line("a\n\nb") == "a; b"
 
 
 def test_progress_line_shows_step_reward_loss_and_time():

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from rlinf_twoworker import RunCancelledError, run_grpo_two_worker
+from rlinf_twoworker import RunCancelledError, TwoWorkerError, run_grpo_two_worker
 from rlinf_twoworker.demo import demo_config, make_inputs
 from rlinf_twoworker.placement import bundle_node_ids
 from rlinf_twoworker.rollout import RolloutWorker
@@ -33,6 +33,7 @@ TAGS = (
     "actor/training/actor/lr",
 )
 TIMEOUT = 300
+EARLY_PHASES = ("starting", "placement", "preflight", "loading data", "loading components")
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +151,16 @@ def test_cancel_makes_pending_futures_raise_and_frees_the_cluster(cluster_2x2, i
         inputs, tmp_path, "cancelled", ["runner.max_steps=50", "runner.save_interval=50"]
     )
     handle = run_grpo_two_worker(cfg)
+    early = handle.status()
+    assert early["steps_done"] == 0 and early["phase"] in EARLY_PHASES, early
+    if early["phase"] != "loading components":  # components not started: topology says so
+        with pytest.raises(TwoWorkerError, match="has no components yet"):
+            handle.topology()
     ray.get(handle.step(1), timeout=TIMEOUT)
+    status = handle.status()
+    assert status["steps_done"] >= 1 and status["metrics_step"] == status["steps_done"]
+    assert "rollout/reward_scores" in status["metrics"]
+    assert "run_id='cancelled'" in repr(handle) and "steps_done=" in repr(handle)
     pending = handle.step(50)
     started = time.monotonic()
     handle.cancel()
@@ -162,6 +172,16 @@ def test_cancel_makes_pending_futures_raise_and_frees_the_cluster(cluster_2x2, i
     with pytest.raises(RunCancelledError):
         handle.result(timeout=60)
     assert time.monotonic() - started < 60
+    # Every waiter gets an error of its own: none carries another waiter's frames, and asking
+    # again does not make it longer.
+    texts = []
+    for ref in (handle.step(40), handle.checkpoint(50), handle.step(45), handle.step(40)):
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(ref, timeout=60)
+        texts.append(str(info.value))
+    assert all("wait_result" not in t and "wait_checkpoint" not in t for t in texts[::2])
+    assert len(texts[3].splitlines()) == len(texts[0].splitlines()) < 40
+    assert handle.status()["phase"] == "cancelled"
     assert wait_no_placement_groups() == []
     assert json.loads((tmp_path / "cancelled" / "failure.json").read_text())["state"] == "cancelled"
     report = verify_run(tmp_path / "cancelled", 2, 2, log=lambda _: None, write=False)

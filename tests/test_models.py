@@ -97,15 +97,20 @@ def test_trimmed_batches_give_the_same_logprobs(model, multiple):
         assert torch.all(padded[:, kept:] == 0)  # dropped columns, padding in every row
 
 
-def test_weights_travel_in_the_rollouts_dtype():
+def test_weights_travel_in_the_consumers_dtype():
+    """One dtype for both consumers when they share it; float32 when rollout and inference
+    differ, so each casts once to its own precision (inference gets its own, not the
+    rollout's)."""
     from rlinf_twoworker.config import load_config, to_typed
     from rlinf_twoworker.grpo_step import sync_dtype
 
     def dtype(*overrides: str) -> str:
         return sync_dtype(to_typed(load_config(overrides=overrides)))
 
-    assert dtype() == "bfloat16"  # the rollout's default precision on GPUs
-    assert dtype("rollout.model.precision=fp16") == "float16"
+    assert dtype() == "bfloat16"  # rollout's and inference's default precision on GPUs
+    fp16 = ("rollout.model.precision=fp16", "inference.model.precision=fp16")
+    assert dtype(*fp16) == "float16"
+    assert dtype("rollout.model.precision=fp16") == "float32"  # inference stays bf16
     assert dtype("cluster.accelerator=cpu") == "float32"  # CPUs always run fp32
 
 

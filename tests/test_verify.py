@@ -589,3 +589,15 @@ def test_a_run_without_exit_status_says_why_it_ended(
     report = verify_run(run, 2, 2, log=lambda _: None, write=False)
     ending = next(e for e in report.errors if "RLINF_PYTHON_EXIT_CODE" in e)
     assert says in ending
+
+
+def test_tensorboard_is_read_where_runner_logger_log_path_put_it(run_dir: Path) -> None:
+    """RLinf's runner.logger.log_path decides where tensorboard/ goes; the postflight follows
+    the run's record there (and misses it without the record's word)."""
+    elsewhere = run_dir.parent / "logs-elsewhere"
+    shutil.move(str(run_dir / "tensorboard"), str(elsewhere / "tensorboard"))
+    report, _ = _verify(run_dir)
+    assert any("holds no events.out.tfevents" in e for e in report.errors)
+    write_config(run_dir, [f"runner.logger.log_path={elsewhere}"])
+    report, _ = _verify(run_dir)
+    assert report.errors == [] and report.passed
