@@ -68,8 +68,8 @@ def matmul_tflops() -> float:
 def make_model_dir(root: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlinf_twoworker.demo import build_tokenizer
-    from rlinf_twoworker.manifest import write_manifest
+    from rlinf_twoworker.api.demo import build_tokenizer
+    from rlinf_twoworker.storage.manifest import write_manifest
 
     path = root / "qwen2-1.5b-random"
     if (path / "SHA256SUMS").exists():
@@ -91,8 +91,8 @@ def make_model_dir(root: Path) -> Path:
 
 
 def bench_rollout(model_dir: Path, quick: bool) -> dict:
-    from rlinf_twoworker.models import load_causal_lm
-    from rlinf_twoworker.sampler import SamplingSettings, StaticSampler
+    from rlinf_twoworker.engines.models import load_causal_lm
+    from rlinf_twoworker.engines.static import SamplingSettings, StaticSampler
 
     model = load_causal_lm(model_dir, torch.bfloat16, torch.device("cuda")).eval()
     prompt, new = 256, 128 if quick else 512
@@ -147,7 +147,7 @@ def bench_rollout(model_dir: Path, quick: bool) -> dict:
 
 
 def bench_inference(model_dir: Path) -> dict:
-    from rlinf_twoworker.models import load_causal_lm
+    from rlinf_twoworker.engines.models import load_causal_lm
 
     model = load_causal_lm(model_dir, torch.bfloat16, torch.device("cuda")).eval()
     out = {}
@@ -187,8 +187,8 @@ def fsdp_model(model_dir: Path, activation_checkpointing: bool, compiled: bool) 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rlinf_twoworker.actor import prepare_for_training
-    from rlinf_twoworker.models import load_causal_lm
+    from rlinf_twoworker.engines.models import load_causal_lm
+    from rlinf_twoworker.workers.actor import prepare_for_training
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
@@ -290,8 +290,8 @@ def _sync_worker(rank: int, model_dir: str, port: int, out_dir: str, repeats: in
     only the script itself is being checked)."""
     import torch.distributed as dist
 
-    from rlinf_twoworker.models import load_causal_lm
-    from rlinf_twoworker.weight_sync import (
+    from rlinf_twoworker.engines.models import load_causal_lm
+    from rlinf_twoworker.engines.weight_sync import (
         new_sync_groups,
         receive_weights,
         send_weights,
@@ -333,7 +333,7 @@ def _sync_worker(rank: int, model_dir: str, port: int, out_dir: str, repeats: in
 def bench_weight_sync(model_dir: Path) -> dict:
     import torch.multiprocessing as mp
 
-    from rlinf_twoworker.worker import free_port
+    from rlinf_twoworker.workers.base import free_port
 
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         return {"skipped": f"needs 2 GPUs, this machine has {torch.cuda.device_count()}"}
@@ -355,7 +355,7 @@ def bench_weight_sync(model_dir: Path) -> dict:
 
 
 def bench_trl(model_dir: Path, root: Path) -> dict:
-    from rlinf_twoworker.demo import make_inputs
+    from rlinf_twoworker.api.demo import make_inputs
 
     data = make_inputs(root / "inputs").data_path
     out = root / "trl.json"
@@ -388,10 +388,10 @@ def bench_grpo_step(
 ) -> dict:
     import ray
 
+    from rlinf_twoworker.api.demo import make_inputs
+    from rlinf_twoworker.api.handle import run_grpo_two_worker
+    from rlinf_twoworker.cluster.local import LocalCluster
     from rlinf_twoworker.config import load_config
-    from rlinf_twoworker.demo import make_inputs
-    from rlinf_twoworker.handle import run_grpo_two_worker
-    from rlinf_twoworker.local import LocalCluster
 
     nodes, gpus, placement = TOPOLOGIES[topology]
     if torch.cuda.device_count() < nodes * gpus:

@@ -37,11 +37,11 @@ import ray
 import torch
 
 from rlinf_twoworker import RunHandle, run_grpo_two_worker
-from rlinf_twoworker.components import RewardWorker
+from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.cluster.local import LocalCluster
 from rlinf_twoworker.config import GRPOConfig
-from rlinf_twoworker.demo import demo_config, make_inputs
-from rlinf_twoworker.local import LocalCluster
 from rlinf_twoworker.results import StepResult
+from rlinf_twoworker.workers.reward import RewardWorker
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WINDOW = 10
@@ -53,7 +53,7 @@ STEP_TIMEOUT_S = 900.0
 class Scale:
     accelerator: str
     size: str
-    """A key of rlinf_twoworker.demo.MODEL_SIZES."""
+    """A key of rlinf_twoworker.api.demo.MODEL_SIZES."""
     steps: int
     prompts: int
     group_size: int
@@ -80,7 +80,7 @@ class GroupSpreadReward(RewardWorker):
 
     async def score(self, answers: list[str], solutions: list[list[str]]) -> dict[str, Any]:
         graded = await super().score(answers, solutions)
-        groups = torch.tensor(graded["scores"]).view(-1, self.group_size)
+        groups = torch.tensor(graded.scores).view(-1, self.group_size)
         spread = (groups.amax(-1) > groups.amin(-1)).float().mean().item()
         with open(self.log_path, "a", encoding="utf-8") as log:
             log.write(f"{spread}\n")

@@ -40,7 +40,7 @@ def main() -> int:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlinf_twoworker.data import load_jsonl
+    from rlinf_twoworker.storage.data import load_jsonl
 
     samples = load_jsonl([args.data])[:64]
     dataset = Dataset.from_list([{"prompt": s.prompt, "answer": s.solutions[0]} for s in samples])

@@ -16,8 +16,8 @@ import torch
 def main(model_dir: str) -> None:
     from bench_gpu import fsdp_model
 
-    from rlinf_twoworker.algorithm import ppo_clip_loss
-    from rlinf_twoworker.models import SequenceBatch, response_logprobs
+    from rlinf_twoworker.algorithm import PolicyLoss, loss_weights, ppo_loss
+    from rlinf_twoworker.engines.models import SequenceBatch, response_logprobs
 
     model = fsdp_model(Path(model_dir), activation_checkpointing=False, compiled=True)
 
@@ -35,9 +35,9 @@ def main(model_dir: str) -> None:
         def step() -> None:
             if engine_loss:
                 lp = response_logprobs(model, batch, fused=True)
-                loss, _ = ppo_clip_loss(
-                    lp, lp.detach(), torch.ones(rows, device="cuda"), batch.response_mask, 0.2
-                )
+                w = loss_weights(batch.response_mask, [[slice(0, rows)]], "token-mean")
+                adv = torch.ones(rows, device="cuda")
+                loss, _ = ppo_loss(lp, lp.detach(), adv, w, w, PolicyLoss())
             else:
                 loss = model(input_ids=ids).logits.float().mean()
             loss.backward()

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 def main() -> None:
     from bench_gpu import make_model_dir
 
-    from rlinf_twoworker.models import load_causal_lm
-    from rlinf_twoworker.sampler import SamplingSettings, StaticSampler
+    from rlinf_twoworker.engines.models import load_causal_lm
+    from rlinf_twoworker.engines.static import SamplingSettings, StaticSampler
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=16)

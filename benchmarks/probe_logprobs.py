@@ -21,8 +21,8 @@ import torch
 def main(model_dir: str | None) -> None:
     from bench_gpu import fsdp_model, make_model_dir, timed
 
-    from rlinf_twoworker.algorithm import ppo_clip_loss
-    from rlinf_twoworker.models import SequenceBatch, load_causal_lm, response_logprobs
+    from rlinf_twoworker.algorithm import PolicyLoss, loss_weights, ppo_loss
+    from rlinf_twoworker.engines.models import SequenceBatch, load_causal_lm, response_logprobs
 
     def batch(rows: int) -> SequenceBatch:
         ids = torch.randint(100, 150000, (rows, 1024), device="cuda")
@@ -58,7 +58,8 @@ def main(model_dir: str | None) -> None:
 
             def step(data=data, adv=adv, fused=fused) -> None:
                 lp = response_logprobs(model, data, 0, fused)
-                loss, _ = ppo_clip_loss(lp, lp.detach(), adv, data.response_mask, 0.2)
+                w = loss_weights(data.response_mask, [[slice(0, len(data))]], "token-mean")
+                loss, _ = ppo_loss(lp, lp.detach(), adv, w, w, PolicyLoss())
                 loss.backward()
 
             record("actor_tokens_per_s", rows, fused, step)

@@ -31,7 +31,7 @@ def config_of(args: argparse.Namespace, name: str) -> Any:
     """The run's config: the demo's (with --demo or --local) or --config plus overrides."""
     if not (args.demo or args.local):
         return load_config(args.config, args.overrides)
-    from rlinf_twoworker.demo import demo_config, make_inputs
+    from rlinf_twoworker.api.demo import demo_config, make_inputs
 
     root = Path(args.output_root).resolve()
     run_id = args.run_id or time.strftime(f"{name}-%Y%m%d-%H%M%S")
@@ -43,6 +43,6 @@ def cluster_of(args: argparse.Namespace) -> AbstractContextManager[Any]:
     """A LocalCluster for --local (this process connects to it); otherwise nothing to start."""
     if not args.local:
         return contextlib.nullcontext()
-    from rlinf_twoworker.local import LocalCluster
+    from rlinf_twoworker.cluster.local import LocalCluster
 
     return LocalCluster(num_nodes=2, gpus_per_node=2)

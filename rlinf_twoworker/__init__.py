@@ -42,7 +42,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # The handle pulls in Ray, torch and transformers; load them only when asked for.
     if name in ("run_grpo_two_worker", "RunHandle"):
-        from rlinf_twoworker import handle
+        from rlinf_twoworker.api import handle
 
         return getattr(handle, name)
     raise AttributeError(name)

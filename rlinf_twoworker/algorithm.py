@@ -201,7 +201,8 @@ def ppo_loss(
     Per token (RLinf): log_ratio = logp - old (clamped to log_ratio_min/max when set),
     ratio = exp(log_ratio); L = max(-A ratio, -A clip(ratio, 1 - clip_low, 1 + clip_high)),
     then min(L, clip_c |A|) with a dual clip; minus entropy_bonus * entropy, plus
-    kl_beta * kl_penalty(logp, ref). `advantages` is [B] (one per answer) or [B, T].
+    kl_beta * kl_penalty(ref, logp) (RLinf's FSDP argument order). `advantages` is [B] (one
+    per answer) or [B, T].
 
     Metrics are sums over this part's tokens weighted by `metric_weights` (RLinf's per
     micro-batch token-means, averaged over micro-batches and ranks, so summing every part of
@@ -244,7 +245,9 @@ def ppo_loss(
     if settings.kl_beta > 0:
         if ref_logprobs is None:
             raise ValueError("algorithm.kl_beta > 0 needs ref_logprobs (the reference policy's)")
-        kl_loss = (weights * kl_penalty(logprobs, ref_logprobs, settings.kl_type)).sum()
+        # RLinf's FSDP actor calls kl_penalty(ref_logprobs, logprobs): for k3 that is
+        # exp(d) - d - 1 with d = logp - ref, clamped.
+        kl_loss = (weights * kl_penalty(ref_logprobs, logprobs, settings.kl_type)).sum()
         loss = loss + settings.kl_beta * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
     return loss, metrics

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlinf_twoworker.models import SequenceBatch
+from rlinf_twoworker.engines.models import SequenceBatch
 
 
 @dataclass
@@ -28,6 +28,51 @@ class ActorShard:
     """[rows, R] the loss weight of every token."""
     metric_weights: torch.Tensor
     """[rows, R] the weight of every token in the logged metric means."""
+    ref_logprobs: torch.Tensor | None = None
+    """[rows, R] the reference policy's log-probs (the KL term), when kl_beta > 0."""
 
     def __len__(self) -> int:
         return len(self.batch)
+
+
+@dataclass
+class Rollout:
+    """The rollout's answers to a batch of prompts: group_size rows per prompt, contiguous."""
+
+    batch: SequenceBatch
+    texts: list[str]
+    """Each answer decoded (special tokens skipped): what the reward grades."""
+    generated_tokens: int
+    seconds: float
+
+
+@dataclass
+class LogProbs:
+    """Per-token log-probabilities of every answer ([B, R], zero on padding)."""
+
+    logprobs: torch.Tensor
+    seconds: float
+
+
+@dataclass
+class Graded:
+    """The reward's scores, one per answer, and how grading went (correct, wrong, timed_out,
+    errors, seconds)."""
+
+    scores: list[float]
+    stats: dict[str, float]
+
+
+@dataclass
+class TrainStats:
+    """One actor rank's update of one GRPO step: the step's metrics (means over its
+    minibatches, maxes where named so; the same on every rank) and where the time went."""
+
+    metrics: dict[str, float]
+    trained_tokens: float
+    seconds: float
+    optimizer_seconds: float
+
+    @property
+    def forward_backward_seconds(self) -> float:
+        return self.seconds - self.optimizer_seconds

@@ -10,7 +10,7 @@ os.environ.setdefault("NCCL_IB_DISABLE", "1")
 
 import pytest  # noqa: E402
 
-from rlinf_twoworker.local import LocalCluster  # noqa: E402
+from rlinf_twoworker.cluster.local import LocalCluster  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlinf_twoworker.actor import ActorWorker, lr_scheduler, prepare_for_training
+from rlinf_twoworker.api.demo import demo_config, make_inputs
 from rlinf_twoworker.config import to_typed
-from rlinf_twoworker.demo import demo_config, make_inputs
-from rlinf_twoworker.grpo_step import split_for_actors
+from rlinf_twoworker.engines.models import SequenceBatch, load_causal_lm, response_logprobs
 from rlinf_twoworker.messages import ActorShard
-from rlinf_twoworker.models import SequenceBatch, load_causal_lm, response_logprobs
+from rlinf_twoworker.run.step import split_for_actors
+from rlinf_twoworker.workers.actor import ActorWorker, lr_scheduler, prepare_for_training
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def _trained_actor(world, break_compiler: bool) -> tuple[dict, dict[str, torch.T
     shard = _shard(cfg)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        metrics = actor.train_step([shard])
+        metrics = actor.train_step([shard]).metrics
     params = {n: p.detach().full_tensor().clone() for n, p in actor.model.named_parameters()}
     return metrics, params, [str(w.message) for w in caught]
 

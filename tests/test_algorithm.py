@@ -314,3 +314,22 @@ def test_normalize_advantages_whitens_valid_tokens_only():
         [[(2 / 3) / (std + 1e-5), (2 / 3) / (std + 1e-5), 0.0], [(-4 / 3) / (std + 1e-5), 0, 0]]
     )
     assert torch.allclose(out, expected, atol=1e-6)
+
+
+def test_the_kl_term_takes_rlinfs_fsdp_argument_order():
+    """RLinf's FSDP actor adds kl_beta * agg(kl_penalty(ref_logprobs, logprobs)): for k3 that
+    is exp(d) - d - 1 with d = logp - ref. Tokens at logp - ref = +0.5 and -0.5, one
+    micro-batch: the token-mean of the two."""
+    logprobs = torch.tensor([[0.5, -0.5]], requires_grad=True)
+    ref = torch.zeros(1, 2)
+    w = loss_weights(torch.ones(1, 2), [[slice(0, 1)]], "token-mean")
+    settings = PolicyLoss(kl_beta=0.2, kl_type="low_var_kl")
+    loss, m = ppo_loss(logprobs, logprobs.detach(), torch.zeros(1), w, w, settings, None, ref)
+    k3 = [math.exp(0.5) - 0.5 - 1, math.exp(-0.5) + 0.5 - 1]
+    assert m["kl_loss"].item() == pytest.approx(sum(k3) / 2)
+    assert loss.item() == pytest.approx(0.2 * sum(k3) / 2)
+    loss.backward()
+    # d/dlogp of (exp(d) - d - 1) / 2 * 0.2 = 0.1 * (exp(d) - 1): pulls logp toward ref
+    expected = [0.1 * (math.exp(0.5) - 1), 0.1 * (math.exp(-0.5) - 1)]
+    assert logprobs.grad is not None
+    assert logprobs.grad[0].tolist() == pytest.approx(expected)

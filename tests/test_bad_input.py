@@ -31,11 +31,11 @@ from rlinf_twoworker import (
     PreflightError,
     run_grpo_two_worker,
 )
+from rlinf_twoworker.api.demo import DATA_NAME, demo_config, make_inputs
+from rlinf_twoworker.cluster.placement import wait_removed
 from rlinf_twoworker.config import load_config
-from rlinf_twoworker.data import DataError, load_jsonl
-from rlinf_twoworker.demo import DATA_NAME, demo_config, make_inputs
-from rlinf_twoworker.manifest import write_manifest
-from rlinf_twoworker.placement import wait_removed
+from rlinf_twoworker.storage.data import DataError, load_jsonl
+from rlinf_twoworker.storage.manifest import write_manifest
 
 TIMEOUT = 300
 FAILED_RUN_FILES = {
@@ -360,7 +360,7 @@ import ray
 from ray.cluster_utils import Cluster
 from rlinf_twoworker import ClusterError
 from rlinf_twoworker.config import load_config, to_typed
-from rlinf_twoworker.handle import check_cluster
+from rlinf_twoworker.cluster.connect import check_cluster
 
 args = dict(node_ip_address="127.0.0.1", num_cpus=1, object_store_memory=80 * 2**20)
 cluster = Cluster(initialize_head=True, head_node_args=dict(args, num_gpus=0,

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import ray
 
+from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.api.report import one_line, progress_line
+from rlinf_twoworker.api.request import RequestError, env_overrides, resolve_request
 from rlinf_twoworker.config import to_yaml
-from rlinf_twoworker.demo import demo_config, make_inputs
-from rlinf_twoworker.driver import RequestError, env_overrides, resolve_request
 from rlinf_twoworker.errors import ConfigError
-from rlinf_twoworker.report import one_line, progress_line
-from rlinf_twoworker.verify import verify_run
+from rlinf_twoworker.storage.verify import verify_run
 
-CLI = [sys.executable, "-m", "rlinf_twoworker.cli"]
+CLI = [sys.executable, "-m", "rlinf_twoworker.api.cli"]
 RUNS = Path("runs") / "two-worker-grpo-pipeline"
 STATUS_PREFIXES = (
     "RAY_CLUSTER_RESOURCES=",

@@ -11,9 +11,9 @@ from rlinf_twoworker.config import (
     GRPOConfig,
     config_notes,
     load_config,
-    parse_override,
     to_typed,
 )
+from rlinf_twoworker.config.overrides import parse_override
 from rlinf_twoworker.errors import ConfigError
 
 # The two-Worker tutorial's override list, as its Driver command passes it.
@@ -461,8 +461,8 @@ def test_rlinf_yaml_loads_with_tutorial_overrides(rlinf_yaml: Path):
 
 
 def test_every_rlinf_key_without_a_setting_has_one_rule():
-    """compat.RULES names each key once, and every rule's key is in the schema."""
-    from rlinf_twoworker.compat import RULES
+    """config.rlinf.RULES names each key once, and every rule's key is in the schema."""
+    from rlinf_twoworker.config.rlinf import RULES
 
     keys = [r.key for r in RULES]
     assert len(keys) == len(set(keys))
@@ -663,7 +663,7 @@ VALIDATION_CASES = [
     ("cluster.num_gpus_per_node=-1", "cluster.num_gpus_per_node", -1, ">= 1"),
     ("data.max_prompt_length=1024", "data.max_prompt_length", 1024, "< runner.seq_length"),
     ("algorithm.n_minibatches=3", "algorithm.n_minibatches", 3, "equal parts"),
-    ("algorithm.kl_beta=0.1", "algorithm.kl_beta", 0.1, "must be 0"),
+    ("algorithm.kl_beta=-0.1", "algorithm.kl_beta", -0.1, "must be >= 0"),
     ("actor.optim.lr=0", "actor.optim.lr", 0, "> 0"),
     (
         f"{PLACEMENT}.actor=3-4",
@@ -700,6 +700,19 @@ VALIDATION_CASES = [
     (f"{PLACEMENT}.actor=true", f"{PLACEMENT}.actor", True, "a placement is a rank"),
     (f"{PLACEMENT}.rollout=0-1", f"{PLACEMENT}.rollout", "0-1", "exactly one rank"),
 ]
+
+
+def test_a_k1_kl_term_is_refused_as_rlinf_computes_it():
+    """RLinf's FSDP actor takes the k1 term as ref - logp: no penalty at all."""
+    err = error_of(["algorithm.kl_beta=0.1", "algorithm.kl_penalty_type=k1"])
+    assert err.key == "algorithm.kl_penalty_type" and "ref - logp" in err.rule
+    typed = to_typed(load_config(overrides=["algorithm.kl_beta=0.1"]))
+    assert typed.placement.ranks("reference") == typed.placement.ranks("inference")
+    typed = to_typed(
+        load_config(overrides=["algorithm.kl_beta=0.1", "cluster.component_placement.reference=3"])
+    )
+    assert typed.placement.ranks("reference") == [3]
+    assert "reference" not in to_typed(load_config()).placement.as_dict()
 
 
 @pytest.mark.parametrize(

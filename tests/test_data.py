@@ -11,7 +11,13 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from rlinf_twoworker.data import DataError, PromptSampler, Sample, encode_prompts, load_jsonl
+from rlinf_twoworker.storage.data import (
+    DataError,
+    PromptSampler,
+    Sample,
+    encode_prompts,
+    load_jsonl,
+)
 
 PROMPT = "<｜User｜>What is 6*7? Please reason step by step.<｜Assistant｜><think>\n"
 
@@ -75,7 +81,7 @@ def test_skip_mode_skips_and_counts(tmp_path, caplog):
         tmp_path / "mixed.jsonl",
         ["not json", _line(prompt="p", solutions="1"), "42", _line(prompt="q", solutions="2")],
     )
-    with caplog.at_level(logging.WARNING, logger="rlinf_twoworker.data"):
+    with caplog.at_level(logging.WARNING, logger="rlinf_twoworker.storage.data"):
         samples = load_jsonl([path], skip_malformed=True)
     assert [s.prompt for s in samples] == ["p", "q"]
     assert "skipped 2 malformed line(s)" in caplog.text

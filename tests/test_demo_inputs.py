@@ -12,12 +12,12 @@ import torch
 from math_verify import parse, verify
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlinf_twoworker.api.demo import DemoInputs, demo_config, make_inputs, make_samples
 from rlinf_twoworker.config import to_typed
-from rlinf_twoworker.data import PromptSampler, encode_prompts
-from rlinf_twoworker.demo import DemoInputs, demo_config, make_inputs, make_samples
 from rlinf_twoworker.errors import ConfigError
-from rlinf_twoworker.reward import grade_one
-from rlinf_twoworker.rollout import left_pad
+from rlinf_twoworker.storage.data import PromptSampler, encode_prompts
+from rlinf_twoworker.workers.reward import grade_one
+from rlinf_twoworker.workers.rollout import left_pad
 
 
 @pytest.fixture(scope="module")

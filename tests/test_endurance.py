@@ -14,8 +14,8 @@ import pytest
 import ray
 
 from rlinf_twoworker import run_grpo_two_worker
-from rlinf_twoworker.demo import demo_config, make_inputs
-from rlinf_twoworker.rundir import complete_checkpoint_steps
+from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.storage.rundir import complete_checkpoint_steps
 
 STEPS = 55
 MIB = 1024 * 1024

@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rlinf_twoworker import RunCancelledError, TwoWorkerError, run_grpo_two_worker
-from rlinf_twoworker.demo import demo_config, make_inputs
-from rlinf_twoworker.placement import bundle_node_ids
-from rlinf_twoworker.rollout import RolloutWorker
-from rlinf_twoworker.verify import verify_run
+from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.cluster.placement import bundle_node_ids
+from rlinf_twoworker.storage.verify import verify_run
+from rlinf_twoworker.workers.rollout import RolloutWorker
 
 # Classes injected into a run (component_classes) travel by value: the workers cannot import
 # this test module.
@@ -289,8 +289,8 @@ def test_dynamic_batch_size_gives_the_same_update(cluster_2x2, inputs, tmp_path)
 TWO_NODES_ONE_GPU = """
 import json, sys, ray
 from rlinf_twoworker import run_grpo_two_worker
-from rlinf_twoworker.demo import demo_config, make_inputs
-from rlinf_twoworker.local import LocalCluster
+from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.cluster.local import LocalCluster
 
 root = sys.argv[1]
 inputs = make_inputs(root + "/inputs")
@@ -332,3 +332,29 @@ def test_two_nodes_one_gpu_each_with_inference_beside_the_actor(tmp_path):
     assert nodes["rollout"][1] == nodes["reward"][1] == result["driver"]
     assert nodes["inference"][1] == nodes["actor"][1] != result["driver"]
     assert all(b > 0 for b in result["synced"])
+
+
+def test_a_kl_term_runs_against_a_frozen_reference_policy(cluster_2x2, inputs, tmp_path):
+    """algorithm.kl_beta > 0 adds the reference component (the actor's initial weights,
+    never synced), placed where cluster.component_placement.reference says; its KL term is 0
+    while the policy still equals it and grows once the policy moves."""
+    cfg = demo_config(
+        inputs,
+        tmp_path,
+        "kl",
+        [
+            "algorithm.kl_beta=0.1",
+            "actor.optim.lr=1e-3",
+            "cluster.component_placement.reference=3",
+        ],
+    )
+    handle = run_grpo_two_worker(cfg)
+    steps = [ray.get(handle.step(n), timeout=TIMEOUT) for n in (1, 2)]
+    where = {(r["component"], r["rank"]): r for r in handle.topology()}
+    assert where[("reference", 0)]["resource_rank"] == 3
+    assert where[("reference", 0)]["bundle"] == 1
+    kl = [s.metrics["actor/training/actor/kl_loss"] for s in steps]
+    assert 0.0 <= kl[0] < kl[1] and all(math.isfinite(k) for k in kl)
+    assert "time/reference" in steps[0].timings
+    report = handle.result(timeout=TIMEOUT)
+    assert report.passed, report.errors

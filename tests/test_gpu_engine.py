@@ -10,9 +10,9 @@ import pytest
 
 SCRIPT = r"""
 import json, sys, ray
-from rlinf_twoworker.demo import demo_config, make_inputs
-from rlinf_twoworker.handle import run_grpo_two_worker
-from rlinf_twoworker.local import LocalCluster
+from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.api.handle import run_grpo_two_worker
+from rlinf_twoworker.cluster.local import LocalCluster
 
 root = sys.argv[1]
 inputs = make_inputs(f"{root}/inputs", task="digit7")

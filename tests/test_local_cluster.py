@@ -8,7 +8,7 @@ import os
 import pytest
 import ray
 
-from rlinf_twoworker.local import LocalCluster
+from rlinf_twoworker.cluster.local import LocalCluster
 
 # Ray ships psutil in ray/thirdparty_files and puts that on sys.path when imported.
 psutil = importlib.import_module("psutil")

@@ -7,10 +7,15 @@ import json
 import pytest
 import torch
 
-from rlinf_twoworker.demo import make_inputs
+from rlinf_twoworker.api.demo import make_inputs
+from rlinf_twoworker.engines.models import (
+    SequenceBatch,
+    load_causal_lm,
+    response_logprobs,
+    run_or_eager,
+)
 from rlinf_twoworker.errors import TwoWorkerError
-from rlinf_twoworker.models import SequenceBatch, load_causal_lm, response_logprobs, run_or_eager
-from rlinf_twoworker.rollout import left_pad, response_mask
+from rlinf_twoworker.workers.rollout import left_pad, response_mask
 
 
 def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path):
@@ -102,7 +107,7 @@ def test_weights_travel_in_the_consumers_dtype():
     differ, so each casts once to its own precision (inference gets its own, not the
     rollout's)."""
     from rlinf_twoworker.config import load_config, to_typed
-    from rlinf_twoworker.grpo_step import sync_dtype
+    from rlinf_twoworker.run.step import sync_dtype
 
     def dtype(*overrides: str) -> str:
         return sync_dtype(to_typed(load_config(overrides=overrides)))

@@ -14,19 +14,16 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group, placement_group_table
 
-from rlinf_twoworker.config import ClusterConfig
-from rlinf_twoworker.errors import ConfigError, PlacementError
-from rlinf_twoworker.placement import (
-    Placement,
-    Slot,
+from rlinf_twoworker.cluster.placement import (
     bundle_node_ids,
     create_placement_group,
-    parse_ranks,
     request_placement_group,
-    resolve_placement,
     scheduling_options,
     wait_removed,
 )
+from rlinf_twoworker.config import ClusterConfig
+from rlinf_twoworker.config.placement import Placement, Slot, parse_ranks, resolve_placement
+from rlinf_twoworker.errors import ConfigError, PlacementError
 
 SHORT_TIMEOUT_S = 3.0
 
@@ -211,10 +208,11 @@ THREE_NODES = textwrap.dedent(
     """
     import json, ray
     from rlinf_twoworker.config import ClusterConfig
-    from rlinf_twoworker.local import LocalCluster
-    from rlinf_twoworker.placement import (
-        bundle_node_ids, create_placement_group, resolve_placement, scheduling_options,
+    from rlinf_twoworker.cluster.local import LocalCluster
+    from rlinf_twoworker.cluster.placement import (
+        bundle_node_ids, create_placement_group, scheduling_options,
     )
+    from rlinf_twoworker.config.placement import resolve_placement
 
     @ray.remote(num_cpus=0)
     def where():

@@ -12,18 +12,18 @@ import pytest
 import ray
 from omegaconf import OmegaConf
 
+from rlinf_twoworker.cluster.placement import bundle_node_ids, create_placement_group, wait_removed
+from rlinf_twoworker.cluster.preflight import compare_nodes, run_preflight
+from rlinf_twoworker.cluster.probe import NodeProbe
 from rlinf_twoworker.config import GRPOConfig, load_config, to_typed
 from rlinf_twoworker.errors import PreflightError
-from rlinf_twoworker.manifest import (
+from rlinf_twoworker.storage.manifest import (
     MANIFEST_NAME,
     manifest_dir_for,
     verify_input,
     verify_manifest,
     write_manifest,
 )
-from rlinf_twoworker.placement import bundle_node_ids, create_placement_group, wait_removed
-from rlinf_twoworker.preflight import compare_nodes, run_preflight
-from rlinf_twoworker.probe import NodeProbe
 
 
 def make_inputs(root: Path, seed: bytes = b"a") -> tuple[Path, Path]:
@@ -156,7 +156,7 @@ def test_probe_reports_bad_input_module_and_prefix(inputs):
         "cluster.preflight.expected_python_prefix=/opt/other-env",
     )
     errors = NodeProbe().run(cfg, node_rank=0)["errors"]
-    assert any(f"input {data}" in e and "has SHA256" in e for e in errors), errors
+    assert any(f"{data} (listed in" in e and "has SHA256" in e for e in errors), errors
     assert any("import no_such_module_xyz" in e and "ModuleNotFoundError" in e for e in errors)
     assert any("python prefix" in e and "/opt/other-env" in e for e in errors)
 

@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 from rlinf_twoworker import run_grpo_two_worker
-from rlinf_twoworker.demo import demo_config, make_inputs
-from rlinf_twoworker.readback import model_state
+from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.storage.readback import model_state
 
 TIMEOUT = 300
 DCP = Path("checkpoints/global_step_2/actor/dcp_checkpoint")
 # The commands must work where Ray cannot even be imported (a login node, a laptop).
-NO_RAY = "import sys; sys.modules['ray'] = None; from rlinf_twoworker.cli import main; "
+NO_RAY = "import sys; sys.modules['ray'] = None; from rlinf_twoworker.api.cli import main; "
 
 
 @pytest.fixture(scope="module")

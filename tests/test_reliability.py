@@ -26,15 +26,16 @@ from ray.util.placement_group import placement_group, placement_group_table
 
 import rlinf_twoworker
 from rlinf_twoworker import ComponentError, RunCancelledError, run_grpo_two_worker
-from rlinf_twoworker import checkpoint as ckpt
-from rlinf_twoworker.actor import ActorWorker
-from rlinf_twoworker.components import NAMESPACE
+from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.cluster.connect import NAMESPACE
+from rlinf_twoworker.cluster.placement import wait_removed
+from rlinf_twoworker.cluster.probe import NodeProbe
 from rlinf_twoworker.config import to_typed
-from rlinf_twoworker.demo import demo_config, make_inputs
-from rlinf_twoworker.placement import wait_removed
-from rlinf_twoworker.rollout import RolloutWorker
-from rlinf_twoworker.rundir import complete_checkpoint_steps
-from rlinf_twoworker.verify import verify_run
+from rlinf_twoworker.storage import checkpoints as ckpt
+from rlinf_twoworker.storage.rundir import complete_checkpoint_steps
+from rlinf_twoworker.storage.verify import verify_run
+from rlinf_twoworker.workers.actor import ActorWorker
+from rlinf_twoworker.workers.rollout import RolloutWorker
 
 # Classes injected into a run travel by value: the workers cannot import this test module.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -448,7 +449,7 @@ def test_ctrl_c_on_the_cli_driver_cancels_the_run_and_frees_the_cluster(
     env = {k: v for k, v in os.environ.items() if k not in ("WORK_ROOT", "TARGET_STEPS")}
     env["RUN_ID"] = run_id  # the Driver command's interface (the config names the same run)
     log = tmp_path / "driver.out"
-    argv = [sys.executable, "-m", "rlinf_twoworker.cli", "run", "--config", str(path)]
+    argv = [sys.executable, "-m", "rlinf_twoworker.api.cli", "run", "--config", str(path)]
     with open(log, "w") as sink:
         proc = subprocess.Popen(
             [*argv, "--address", cluster_2x2.address],
@@ -553,3 +554,53 @@ def test_removed_node_fails_the_run_within_the_detection_bound(cluster_2x2, inpu
         wait_removed(blocker)
         if not removed:
             cluster.remove_node(node)
+
+
+class SlowProbe(NodeProbe):
+    """A node probe that takes its time (a slow shared file system, say)."""
+
+    def run(self, cfg, node_rank):  # type: ignore[no-untyped-def]
+        time.sleep(8)
+        return super().run(cfg, node_rank)
+
+
+class SlowSavingActor(ActorWorker):
+    """An actor rank whose checkpoint write takes its time."""
+
+    def save_checkpoint(self, path: str):  # type: ignore[no-untyped-def]
+        time.sleep(6)
+        return super().save_checkpoint(path)
+
+
+def _answers_fast(handle, phase_prefix: str, deadline_s: float = 60) -> dict:
+    """Wait until the run is in `phase_prefix`, then time status() there."""
+    deadline = time.monotonic() + deadline_s
+    while not handle.status()["phase"].startswith(phase_prefix):
+        assert time.monotonic() < deadline, handle.status()
+        time.sleep(0.1)
+    started = time.monotonic()
+    status = handle.status()
+    assert status["phase"].startswith(phase_prefix), status
+    assert time.monotonic() - started < 1.0
+    return status
+
+
+def test_status_and_cancel_answer_at_once_during_a_slow_preflight(cluster_2x2, inputs, tmp_path):
+    """Every wait of the controller is awaited: while the probes work, status() answers in
+    under a second and cancel() stops the run at once."""
+    cfg = demo_config(inputs, tmp_path, "slow-preflight", [])
+    handle = run_grpo_two_worker(cfg, component_classes={"probe": SlowProbe})
+    _answers_fast(handle, "preflight")
+    started = time.monotonic()
+    handle.cancel()
+    assert time.monotonic() - started < 5.0
+    with pytest.raises(RunCancelledError):
+        handle.result(timeout=60)
+
+
+def test_status_answers_at_once_during_a_slow_checkpoint(cluster_2x2, inputs, tmp_path):
+    cfg = demo_config(inputs, tmp_path, "slow-save", [])
+    handle = run_grpo_two_worker(cfg, component_classes={"actor": SlowSavingActor})
+    status = _answers_fast(handle, "checkpoint", deadline_s=240)
+    assert status["steps_done"] == 2
+    assert handle.result(timeout=240).passed

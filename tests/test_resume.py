@@ -17,12 +17,12 @@ import ray
 import torch
 
 from rlinf_twoworker import TwoWorkerError, run_grpo_two_worker
-from rlinf_twoworker.checkpoint import resume_source
+from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.api.report import load_scalars
 from rlinf_twoworker.config import to_typed, to_yaml
-from rlinf_twoworker.demo import demo_config, make_inputs
-from rlinf_twoworker.readback import load_dcp
-from rlinf_twoworker.report import load_scalars
 from rlinf_twoworker.results import StepResult
+from rlinf_twoworker.storage.checkpoints import resume_source
+from rlinf_twoworker.storage.readback import load_dcp
 
 TIMEOUT = 300
 # lr high enough that 2 steps move the weights far beyond the tolerance; warm-up over all 16
@@ -178,7 +178,7 @@ def test_cli_rejects_a_resume_without_a_checkpoint_before_connecting(tmp_path):
     env = dict(os.environ, RAY_ADDRESS=nowhere, WORK_ROOT=str(tmp_path / "work"))
     env.update(RUN_ID="again", TARGET_STEPS="4")
     done = subprocess.run(
-        [sys.executable, "-m", "rlinf_twoworker.cli", "run", "--config", str(config)]
+        [sys.executable, "-m", "rlinf_twoworker.api.cli", "run", "--config", str(config)]
         + [f"runner.resume_dir={tmp_path / 'empty-run'}"],
         env=env,
         capture_output=True,

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from rlinf_twoworker.reward import MathReward, grade_one
+from rlinf_twoworker.workers.reward import MathReward, grade_one
 
 HANG = "<hang>"
 BOOM = "<boom>"

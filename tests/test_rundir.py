@@ -14,9 +14,9 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from rlinf_twoworker.config import load_config
+from rlinf_twoworker.config import load_config, to_typed
 from rlinf_twoworker.errors import ConfigError, RunDirError, RunDirExistsError
-from rlinf_twoworker.rundir import (
+from rlinf_twoworker.storage.rundir import (
     RunLog,
     atomic_write_text,
     checkpoint_dir,
@@ -49,7 +49,7 @@ def snapshot(path: Path) -> dict[str, tuple[int, bytes]]:
 def test_creation_writes_resolved_config_and_logs(tmp_path: Path):
     root = tmp_path / "runs" / "two-worker-grpo-pipeline"
     cfg, overrides = make_cfg(root)
-    run_dir = create_run_dir(cfg, overrides)
+    run_dir = create_run_dir(cfg, to_typed(cfg), overrides)
     assert run_dir == root.resolve() / "my-run_01"
     resolved = OmegaConf.load(run_dir / "hydra/.hydra/config.yaml")
     assert resolved.cluster.num_nodes == 2
@@ -76,7 +76,7 @@ def test_resolved_config_keeps_interpolated_values(tmp_path: Path):
         "algorithm.sampling_params.max_new_tokens="
         "${subtract:${runner.seq_length},${data.max_prompt_length}}",
     )
-    run_dir = create_run_dir(cfg, overrides)
+    run_dir = create_run_dir(cfg, to_typed(cfg), overrides)
     resolved = OmegaConf.load(run_dir / "hydra/.hydra/config.yaml")
     assert resolved.algorithm.sampling_params.max_new_tokens == 768
 
@@ -84,19 +84,19 @@ def test_resolved_config_keeps_interpolated_values(tmp_path: Path):
 @pytest.mark.parametrize("run_id", ["0123", "2024-01-01", "1e3", "true", "null"])
 def test_run_id_round_trips_as_a_string(tmp_path: Path, run_id: str):
     cfg, overrides = make_cfg(tmp_path, f"runner.experiment_name='{run_id}'")
-    run_dir = create_run_dir(cfg, overrides)
+    run_dir = create_run_dir(cfg, to_typed(cfg), overrides)
     assert run_dir.name == run_id
     assert OmegaConf.load(run_dir / "hydra/.hydra/config.yaml").runner.experiment_name == run_id
 
 
 def test_existing_run_directory_is_refused_untouched(tmp_path: Path):
     cfg, overrides = make_cfg(tmp_path)
-    run_dir = create_run_dir(cfg, overrides)
+    run_dir = create_run_dir(cfg, to_typed(cfg), overrides)
     RunLog(run_dir).status("RLINF_PREFLIGHT_STATUS=passed")
     before = snapshot(run_dir)
     time.sleep(0.01)  # a rewrite would show in the mtimes
     with pytest.raises(RunDirError, match="already exists") as info:
-        create_run_dir(cfg, ["runner.max_steps=5"])
+        create_run_dir(cfg, to_typed(cfg), ["runner.max_steps=5"])
     assert str(run_dir) in str(info.value)
     assert "RUN_ID" in str(info.value)  # what to do
     assert snapshot(run_dir) == before
@@ -109,9 +109,9 @@ def test_existing_run_directory_is_refused_untouched(tmp_path: Path):
 RACER = textwrap.dedent(
     """
     import json, os, sys, time
-    from rlinf_twoworker.config import load_config
+    from rlinf_twoworker.config import load_config, to_typed
     from rlinf_twoworker.errors import RunDirError
-    from rlinf_twoworker.rundir import create_run_dir
+    from rlinf_twoworker.storage.rundir import create_run_dir
 
     root, go, ready = sys.argv[1:4]
     cfg = load_config(overrides=[f"runner.output_dir={root}", "runner.experiment_name=raced"])
@@ -119,7 +119,7 @@ RACER = textwrap.dedent(
     while not os.path.exists(go):
         time.sleep(0.001)
     try:
-        create_run_dir(cfg, [f"pid={os.getpid()}"])
+        create_run_dir(cfg, to_typed(cfg), [f"pid={os.getpid()}"])
         print(json.dumps({"won": True, "pid": os.getpid()}))
     except RunDirError as exc:
         print(json.dumps({"won": False, "error": str(exc)}))
@@ -166,9 +166,10 @@ def test_run_ids_that_could_escape_the_output_root_are_refused(tmp_path: Path, r
 def test_create_refuses_an_escaping_run_id_set_after_validation(tmp_path: Path):
     root = tmp_path / "root"
     cfg, overrides = make_cfg(root)
+    typed = to_typed(cfg)
     cfg.runner.experiment_name = "../escaped"  # bypasses load-time validation
     with pytest.raises(RunDirError, match="invalid"):
-        create_run_dir(cfg, overrides)
+        create_run_dir(cfg, typed, overrides)
     assert not (tmp_path / "escaped").exists()
 
 
@@ -177,12 +178,12 @@ def test_unwritable_output_root_is_a_run_dir_error(tmp_path: Path):
     blocker.write_text("not a directory")
     cfg, overrides = make_cfg(blocker / "runs")
     with pytest.raises(RunDirError, match="output root"):
-        create_run_dir(cfg, overrides)
+        create_run_dir(cfg, to_typed(cfg), overrides)
 
 
 def test_run_log_appends_to_driver_and_main_log(tmp_path: Path):
     cfg, overrides = make_cfg(tmp_path)
-    run_dir = create_run_dir(cfg, overrides)
+    run_dir = create_run_dir(cfg, to_typed(cfg), overrides)
     log = RunLog(run_dir)
     log.status("RLINF_PREFLIGHT_STATUS=passed")
     log.info("step 1 done\n")

@@ -11,12 +11,10 @@ from typing import Any
 import pytest
 import torch
 
+from rlinf_twoworker.api.demo import build_tokenizer, demo_config, make_inputs
 from rlinf_twoworker.config import to_typed
-from rlinf_twoworker.demo import build_tokenizer, demo_config, make_inputs
-from rlinf_twoworker.errors import TwoWorkerError
-from rlinf_twoworker.models import load_causal_lm, load_tokenizer
-from rlinf_twoworker.rollout import RolloutWorker, left_pad
-from rlinf_twoworker.sampler import (
+from rlinf_twoworker.engines.models import load_causal_lm, load_tokenizer
+from rlinf_twoworker.engines.static import (
     SamplingSettings,
     StaticSampler,
     fuse_projections,
@@ -24,7 +22,9 @@ from rlinf_twoworker.sampler import (
     pick_tokens,
     supports,
 )
-from rlinf_twoworker.weight_sync import weights_digest
+from rlinf_twoworker.engines.weight_sync import weights_digest
+from rlinf_twoworker.errors import TwoWorkerError
+from rlinf_twoworker.workers.rollout import RolloutWorker, left_pad
 
 
 @pytest.fixture(scope="module")
@@ -331,7 +331,7 @@ def test_the_engine_falls_back_to_hf_on_a_sliding_window(demo, tmp_path, caplog)
     tokenizer = build_tokenizer()
     window = {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}
     _tiny_lm(vocab=len(tokenizer), **window).save_pretrained(sliding)
-    with caplog.at_level(logging.WARNING, logger="rlinf_twoworker.rollout"):
+    with caplog.at_level(logging.WARNING, logger="rlinf_twoworker.workers.rollout"):
         assert not _rollout(demo, tmp_path, sliding, "rollout.engine=auto").static
     assert "rollout.engine=auto uses hf" in caplog.text
     assert "sliding window of 64 tokens" in caplog.text
@@ -360,7 +360,7 @@ def test_both_engines_decode_greedily_and_pass_the_repetition_penalty(demo, tmp_
             )
             assert worker.static is (engine == "static")
             seed = 0 if engine == "static" else 1  # greedy: the seed must not matter
-            batch = worker.generate(prompts, seed)["batch"]
+            batch = worker.generate(prompts, seed).batch
             answers[engine, penalty] = [
                 r[m.bool()].tolist() for r, m in zip(batch.responses, batch.response_mask)
             ]

@@ -17,11 +17,11 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from rlinf_twoworker.cli import build_parser, main
+from rlinf_twoworker.api.cli import build_parser, main
+from rlinf_twoworker.api.demo import DemoInputs, demo_config
 from rlinf_twoworker.config import GRPOConfig
-from rlinf_twoworker.demo import DemoInputs, demo_config
 from rlinf_twoworker.errors import VerificationError
-from rlinf_twoworker.verify import (
+from rlinf_twoworker.storage.verify import (
     REQUIRED_SCALARS,
     VALIDATION_SCALARS,
     Expected,

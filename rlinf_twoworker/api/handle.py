@@ -1,0 +1,232 @@
+"""`run_grpo_two_worker(cfg)` and the `RunHandle` it returns.
+
+The call validates the config, checks the cluster and creates the run directory before it
+returns (bad input raises at once and creates nothing); the run itself goes on in a controller
+actor on the Driver's node. The handle's futures are Ray ObjectRefs: `ray.get`, `ray.wait`,
+`await`, or pass them to other Ray tasks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+from rlinf_twoworker.cluster.connect import NAMESPACE, connect
+from rlinf_twoworker.config import GRPOConfig, config_notes, to_typed
+from rlinf_twoworker.errors import ComponentError, TwoWorkerError
+from rlinf_twoworker.run.liveness import death_cause
+from rlinf_twoworker.storage import checkpoints as ckpt
+from rlinf_twoworker.storage.rundir import (
+    DRIVER_LOG,
+    FAILURE_JSON,
+    RunLog,
+    create_run_dir,
+    refuse_existing,
+    run_dir_of,
+    write_failure,
+)
+
+
+class RunHandle:
+    """One run: its identity, its futures and its controls."""
+
+    def __init__(
+        self,
+        controller: Any,
+        cfg: DictConfig,
+        typed: GRPOConfig,
+        run_dir: Path,
+        controller_node: str = "?",
+    ) -> None:
+        self._controller = controller
+        self._controller_node = controller_node
+        self.config = cfg
+        """The run's config as given (what hydra/.hydra/config.yaml records)."""
+        self._typed = typed
+        self.run_id: str = self._typed.runner.experiment_name
+        self.output_dir: Path = run_dir
+        self._result_ref: Any = None
+
+    @property
+    def placement_group(self) -> Any:
+        timeout = self._typed.runner.timeouts.placement_s + 30
+        return ray.get(self._controller.placement_group.remote(), timeout=timeout)
+
+    @property
+    def preflight(self) -> ray.ObjectRef:
+        """Resolves to the PreflightReport once every node's probe has passed."""
+        return self._controller.wait_preflight.remote()
+
+    def step(self, n: int) -> ray.ObjectRef:
+        """Resolves to the StepResult of step n once it is complete."""
+        if not 1 <= n <= self._typed.runner.max_steps:
+            raise ValueError(
+                f"step {n} is outside this run's steps 1..{self._typed.runner.max_steps}"
+            )
+        return self._controller.wait_step.remote(n)
+
+    def checkpoint(self, n: int) -> ray.ObjectRef:
+        """Resolves to the CheckpointInfo of step n once it is complete on storage."""
+        scheduled = ckpt.scheduled_steps(self._typed)
+        if n not in scheduled:  # runner.max_epochs may end the run, and checkpoint it, earlier
+            scheduled = ray.get(self._controller.checkpoint_steps.remote(), timeout=30)
+        if n not in scheduled:
+            raise ValueError(
+                f"no checkpoint is scheduled at step {n}; this run checkpoints at "
+                f"steps {scheduled} (runner.save_interval, and the last step; none with "
+                "runner.save_interval=-1)"
+            )
+        return self._controller.wait_checkpoint.remote(n)
+
+    def result_ref(self) -> ray.ObjectRef:
+        if self._result_ref is None:
+            self._result_ref = self._controller.wait_result.remote()
+        return self._result_ref
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Block until the run ends; return the VerificationReport or raise the run's error."""
+        try:
+            return ray.get(self.result_ref(), timeout=timeout)
+        except ray.exceptions.RayTaskError as exc:
+            raise _cause(exc) from None
+        except ray.exceptions.RayActorError as exc:
+            raise self._controller_lost(exc) from None
+
+    def _controller_lost(self, exc: ray.exceptions.RayActorError) -> ComponentError:
+        """The controller's process died: its components died with it (Ray fate-shares them
+        with their owner), but its placement group lives as long as the Driver's job, so the
+        handle removes it, and records the failure the controller could not."""
+        error = ComponentError("controller", 0, self._controller_node, death_cause(exc))
+        _remove_placement_group(f"{self.run_id}:pg")
+        failure = self.output_dir / FAILURE_JSON
+        if not failure.exists():
+            RunLog(self.output_dir).info(f"RUN_FAILED error=ComponentError: {error}")
+            write_failure(self.output_dir, error, "failed", None)
+        return error
+
+    def done(self) -> bool:
+        ready, _ = ray.wait([self.result_ref()], timeout=0)
+        return bool(ready)
+
+    def status(self) -> dict[str, Any]:
+        """state (pending, running, succeeded, failed, cancelled); phase (placement,
+        preflight, loading data, loading components, step n, validation after step n,
+        checkpoint n, postflight, done); steps_done of total_steps; step (the one in
+        progress); metrics and stage times of step metrics_step (the last one done); error;
+        elapsed_s."""
+        return ray.get(self._controller.status.remote(), timeout=30)
+
+    def __repr__(self) -> str:
+        try:
+            status = self.status()
+        except Exception as exc:  # the controller is gone: say so, never raise from repr
+            return (
+                f"RunHandle(run_id={self.run_id!r}, controller unreachable: {type(exc).__name__})"
+            )
+        return (
+            f"RunHandle(run_id={self.run_id!r}, state={status['state']!r}, "
+            f"phase={status['phase']!r}, steps_done={status['steps_done']}/"
+            f"{status['total_steps']}, output_dir='{self.output_dir}')"
+        )
+
+    def topology(self) -> list[dict[str, Any]]:
+        """Component, rank, bundle, node id, node IP and GPU ids of every process; raises
+        TwoWorkerError (saying the phase) before the components have started."""
+        try:
+            return ray.get(self._controller.topology.remote(), timeout=30)
+        except ray.exceptions.RayTaskError as exc:
+            raise _cause(exc) from None
+
+    def cancel(self, timeout: float = 60.0) -> None:
+        """Stop the run: pending futures raise RunCancelledError; actors and the placement
+        group are released."""
+        ray.get(self._controller.cancel.remote(), timeout=timeout)
+
+    def follow(
+        self, emit: Callable[[str], None] = print, poll_s: float = 0.5, timeout: float | None = None
+    ) -> None:
+        """Emit driver.log's lines as they are written, until the run ends."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        path, offset = self.output_dir / DRIVER_LOG, 0
+        while True:
+            finished = self.done()
+            with open(path, encoding="utf-8") as handle:
+                handle.seek(offset)
+                chunk = handle.read()
+                offset = handle.tell()
+            for line in chunk.splitlines():
+                emit(line)
+            if finished:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.run_id} still running after {timeout:g} s")
+            time.sleep(poll_s)
+
+
+def _remove_placement_group(name: str) -> None:
+    """Remove the live placement group called `name`, whichever namespace made it."""
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    from rlinf_twoworker.cluster.placement import wait_removed
+
+    for pg_id, info in placement_group_table().items():
+        if info["name"] == name and info["state"] != "REMOVED":
+            wait_removed(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+
+def _cause(exc: ray.exceptions.RayTaskError) -> BaseException:
+    """The run's own error (ComponentError, PreflightError, ...) without Ray's wrapping."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def run_grpo_two_worker(
+    cfg: DictConfig | GRPOConfig,
+    *,
+    ray_address: str | None = None,
+    overrides: Sequence[str] = (),
+    component_classes: dict[str, type] | None = None,
+) -> RunHandle:
+    """Start a GRPO run on the connected (or given) Ray cluster; returns at once with a handle.
+
+    `overrides` are recorded in hydra/.hydra/overrides.yaml. `component_classes` replaces a
+    component's class (tests inject failing ones). The config becomes the typed GRPOConfig
+    here, once; the handle and the controller take it as it is."""
+    cfg = OmegaConf.structured(cfg) if isinstance(cfg, GRPOConfig) else cfg.copy()
+    typed = to_typed(cfg)
+    config_notes(cfg)  # a refused RLinf value fails here, before anything is created
+    output_root = Path(typed.runner.output_dir).resolve()
+    cfg.runner.output_dir = str(output_root)
+    typed.runner.output_dir = str(output_root)
+    run_dir = run_dir_of(output_root, typed.runner.experiment_name)
+    refuse_existing(run_dir)
+    connect(ray_address, typed)
+    run_dir = create_run_dir(cfg, typed, overrides)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from rlinf_twoworker.run.controller import RunController
+
+    here = ray.get_runtime_context().get_node_id()
+    controller: Any = (
+        ray.remote(RunController)
+        .options(
+            name=f"{typed.runner.experiment_name}:controller:0",
+            namespace=NAMESPACE,
+            num_cpus=0,
+            max_concurrency=1000,
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+        )
+        .remote(cfg, typed, str(run_dir), component_classes)
+    )
+    try:
+        ray.get(controller.start.remote(), timeout=typed.runner.timeouts.actor_start_s)
+    except Exception as exc:
+        raise TwoWorkerError(f"the run controller did not start on this node: {exc}") from exc
+    where = f"{ray.util.get_node_ip_address()} node {here[:8]}"
+    return RunHandle(controller, cfg, typed, run_dir, controller_node=where)

@@ -1,0 +1,118 @@
+"""The STRICT_SPREAD placement group of a run and the options that pin a component process to
+its bundle and GPU share (the ranks themselves come from config/placement.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any
+
+from rlinf_twoworker.errors import PlacementError
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+
+    from rlinf_twoworker.config.placement import Placement, Slot
+    from rlinf_twoworker.config.schema import ClusterConfig
+
+
+def _alive_nodes_summary() -> str:
+    import ray
+
+    parts = []
+    try:
+        available = ray._private.state.available_resources_per_node()
+    except Exception:  # the diagnostic must never hide the real error
+        available = {}
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        node_id = node["NodeID"]
+        free = available.get(node_id, {})
+        parts.append(
+            f"node {node_id[:8]} ({node['NodeManagerAddress']}) "
+            f"{free.get('GPU', 0):g}/{node['Resources'].get('GPU', 0):g} GPU free, "
+            f"{free.get('CPU', 0):g}/{node['Resources'].get('CPU', 0):g} CPU free"
+        )
+    return "; ".join(parts) or "no alive nodes"
+
+
+def request_placement_group(cluster: ClusterConfig, name: str) -> PlacementGroup:
+    """Ask for one STRICT_SPREAD group, bundle 0 on the caller's node (returns at once)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    bundle = {"GPU": float(cluster.num_gpus_per_node), "CPU": float(cluster.cpus_per_bundle)}
+    here = ray.get_runtime_context().get_node_id()
+    selectors = [{"ray.io/node-id": here}] + [{} for _ in range(cluster.num_nodes - 1)]
+    return placement_group(
+        [dict(bundle) for _ in range(cluster.num_nodes)],
+        strategy="STRICT_SPREAD",
+        name=name,
+        bundle_label_selector=selectors,
+    )
+
+
+def placement_timeout_error(cluster: ClusterConfig, name: str, timeout_s: float) -> PlacementError:
+    """What was asked and what each alive node offers."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    return PlacementError(
+        f"placement group '{name}' not scheduled within {timeout_s:g} s: STRICT_SPREAD needs "
+        f"{cluster.num_nodes} nodes with {cluster.num_gpus_per_node} free GPU(s) and "
+        f"{cluster.cpus_per_bundle} CPU(s) each, bundle 0 on this node ({here[:8]}); alive: "
+        f"{_alive_nodes_summary()}. Add nodes or free GPUs, or lower cluster.num_nodes / "
+        "cluster.num_gpus_per_node."
+    )
+
+
+def create_placement_group(cluster: ClusterConfig, name: str, timeout_s: float) -> PlacementGroup:
+    """Request the group and wait for it; on timeout remove it and raise PlacementError."""
+    import ray
+
+    pg = request_placement_group(cluster, name)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        error = placement_timeout_error(cluster, name, timeout_s)
+        wait_removed(pg)
+        raise error
+    return pg
+
+
+def bundle_node_ids(pg: PlacementGroup) -> list[str]:
+    """Node id of each bundle, by bundle index."""
+    from ray.util.placement_group import placement_group_table
+
+    table = placement_group_table(pg)
+    mapping = table["bundles_to_node_id"]
+    return [mapping[i] for i in range(len(mapping))]
+
+
+def scheduling_options(
+    pg: PlacementGroup, placement: Placement, slot: Slot, num_cpus: float = 0.0
+) -> dict[str, Any]:
+    """Ray actor options that pin a component's process to its bundle and GPU share."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=slot.bundle
+        ),
+        "num_gpus": placement.gpu_fraction(slot),
+        "num_cpus": num_cpus,
+    }
+
+
+def wait_removed(pg: PlacementGroup, timeout_s: float = 10.0) -> bool:
+    """Remove a placement group and wait until the GCS reports it gone."""
+    from ray.util.placement_group import placement_group_table, remove_placement_group
+
+    with contextlib.suppress(Exception):  # already removed
+        remove_placement_group(pg)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if placement_group_table(pg).get("state") == "REMOVED":
+            return True
+        time.sleep(0.1)
+    return False

@@ -1,0 +1,210 @@
+"""What one node checks about itself before training: its GPUs, driver, Python env, code
+checkout, inputs and model directories, and whether it can join a collective.
+
+`NodeProbe` is a plain class (tested without Ray); `preflight.run_preflight` pins one to each
+bundle of the placement group, holding that node's GPUs, and compares what they report.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+from rlinf_twoworker import components
+from rlinf_twoworker.config import GRPOConfig, to_typed
+from rlinf_twoworker.errors import PreflightError
+from rlinf_twoworker.storage.manifest import verify_input
+
+_CMD_TIMEOUT_S = 30.0
+
+
+def _command(argv: list[str]) -> tuple[int, str]:
+    """Run a fixed argv (never a shell string) with a timeout; (return code, stdout or stderr)."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return -1, str(exc)
+    return done.returncode, (done.stdout if done.returncode == 0 else done.stderr).strip()
+
+
+def _as_typed(cfg: GRPOConfig | Mapping[str, Any]) -> GRPOConfig:
+    if isinstance(cfg, GRPOConfig):
+        return cfg
+    merged = OmegaConf.merge(OmegaConf.structured(GRPOConfig), dict(cfg))
+    return to_typed(cast(DictConfig, merged))
+
+
+def _driver_versions() -> list[str]:
+    """The NVIDIA driver version of every GPU of this node (nvidia-smi, else pynvml)."""
+    if shutil.which("nvidia-smi"):
+        argv = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        code, out = _command(argv)
+        if code == 0:
+            return [line.strip() for line in out.splitlines() if line.strip()]
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        version = version.decode() if isinstance(version, bytes) else str(version)
+        return [version] * pynvml.nvmlDeviceGetCount()
+    except Exception:  # no NVML on this node: reported as "no driver found"
+        return []
+
+
+class NodeProbe:
+    """Checks one node. `run` returns a JSON-able dict whose `errors` list is empty on success."""
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+    def input_paths(self, cfg: GRPOConfig, node_rank: int) -> dict[str, Path]:
+        """Configured input -> the path this node reads it from (the same path on shared storage)."""
+        paths: list[str | None] = [path for _, path in components.model_paths(cfg)]
+        paths += [cfg.actor.tokenizer.tokenizer_model]
+        paths += [cfg.inference.tokenizer.tokenizer_model]
+        paths += cfg.data.train_data_paths
+        paths += cfg.data.val_data_paths if cfg.validates else []
+        return {p: Path(p) for p in dict.fromkeys(paths) if p}
+
+    def run(self, cfg: GRPOConfig | Mapping[str, Any], node_rank: int) -> dict[str, Any]:
+        cfg = _as_typed(cfg)
+        pre = cfg.cluster.preflight
+        r: dict[str, Any] = {"node_rank": node_rank, "hostname": socket.gethostname()}
+        r.update(ip=self.node_ip(), node_id=None, ray_gpu_ids=[], python_prefix=sys.prefix)
+        r.update(python_version=sys.version.split()[0], accelerator=cfg.cluster.accelerator)
+        errors: list[str] = []
+
+        def fail(check: str, seen: object, todo: str = "") -> None:
+            todo = f"; {todo}" if todo else ""
+            errors.append(f"node {node_rank} ({r['hostname']}): {check}: {seen}{todo}")
+
+        if ray.is_initialized():
+            context = ray.get_runtime_context()
+            r["node_id"] = context.get_node_id()
+            r["ray_gpu_ids"] = [str(g) for g in context.get_accelerator_ids().get("GPU", [])]
+        self._check_gpus(cfg, r, fail)
+        ib = os.environ.get("NCCL_IB_DISABLE")
+        r["nccl_ib_disable"] = ib
+        if pre.require_nccl_ib_disable and ib != "1":
+            fail("NCCL_IB_DISABLE", repr(ib), "export NCCL_IB_DISABLE=1 in this node's env")
+        want = pre.expected_python_prefix
+        if want and os.path.realpath(sys.prefix) != os.path.realpath(want):
+            fail("python prefix", sys.prefix, f"run this node's Ray from the env at {want}")
+        self._check_code(pre.code_path, pre.code_commit, r, fail)
+        r["manifests"] = {}
+        for label, path in self.input_paths(cfg, node_rank).items():
+            try:
+                r["manifests"][label] = verify_input(path)
+            except PreflightError as exc:  # it names the input and says what to do
+                errors.append(f"node {node_rank} ({r['hostname']}): {exc}")
+        for model in dict.fromkeys(path for _, path in components.model_paths(cfg)):
+            problem = _not_a_causal_lm(Path(model))
+            if problem:
+                fail(f"model {model}", problem, "point *.model.model_path at a causal LM")
+        r["modules"] = {}
+        for name in pre.required_modules:
+            try:
+                module = importlib.import_module(name)
+                r["modules"][name] = str(getattr(module, "__version__", "ok"))
+            except Exception as exc:  # any import failure is a finding, never a crash
+                fail(f"import {name}", f"{type(exc).__name__}: {exc}", "install it in the env")
+        r["errors"] = errors
+        return r
+
+    def _check_gpus(self, cfg: GRPOConfig, r: dict[str, Any], fail: Callable) -> None:
+        r.update(gpu_count=0, gpu_names=[], compute_capabilities=[], driver_version=None)
+        r["cuda_available"] = False
+        if cfg.cluster.accelerator != "cuda":
+            r["gpu_note"] = "no GPU (cluster.accelerator=cpu): GPU checks skipped"
+            return
+        import torch
+
+        r["cuda_available"] = torch.cuda.is_available()
+        if not r["cuda_available"]:
+            fail("CUDA available", False, "check the NVIDIA driver and CUDA_VISIBLE_DEVICES")
+            return
+        count = torch.cuda.device_count()
+        r["gpu_count"] = count
+        r["gpu_names"] = [torch.cuda.get_device_name(i) for i in range(count)]
+        caps = [torch.cuda.get_device_capability(i) for i in range(count)]
+        r["compute_capabilities"] = [f"{a}.{b}" for a, b in caps]
+        pre, want = cfg.cluster.preflight, cfg.cluster.num_gpus_per_node
+        if count != want:
+            fail("GPU count", count, f"cluster.num_gpus_per_node is {want}: fix it or the node")
+        model = pre.expected_gpu_model
+        if model and any(model not in name for name in r["gpu_names"]):
+            fail("GPU model", r["gpu_names"], f"cluster.preflight.expected_gpu_model is '{model}'")
+        cap = pre.expected_compute_capability
+        if cap and any(c != cap for c in r["compute_capabilities"]):
+            fail("compute capability", r["compute_capabilities"], f"expected {cap} (GPU image?)")
+        per_gpu = _driver_versions()  # nvidia-smi lists every GPU of the node, not only ours
+        versions, r["node_gpu_count"] = sorted(set(per_gpu)), len(per_gpu)
+        r["driver_version"] = versions[0] if len(versions) == 1 else None
+        if len(versions) != 1:
+            fail("NVIDIA driver version", versions or "none found", "one driver per node needed")
+
+    def _check_code(self, path: str | None, commit: str | None, r: dict, fail: Callable) -> None:
+        if commit and not path:
+            fail("code commit", commit, "set cluster.preflight.code_path to the checkout")
+        if not path:
+            return
+        code, head = _command(["git", "-C", path, "rev-parse", "HEAD"])
+        r["code_commit"] = head if code == 0 else None
+        if code != 0:
+            fail(f"code checkout {path}", head, "check out the pinned code at that path")
+            return
+        if commit and not head.startswith(commit):
+            fail(f"code commit of {path}", head, f"check out {commit}")
+        code, status = _command(["git", "-C", path, "status", "--porcelain"])
+        r["code_clean"] = code == 0 and not status
+        if not r["code_clean"]:
+            fail(f"code tree {path}", status[:200] or "git status failed", "reset local edits")
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((self.node_ip(), 0))
+            return int(sock.getsockname()[1])
+
+    def all_reduce(
+        self, init_method: str, rank: int, world_size: int, backend: str, timeout_s: float
+    ) -> float:
+        """Join a process group of all probes, all-reduce (rank + 1), leave; returns the sum."""
+        import torch
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(
+            backend, init_method=init_method, timeout=timeout, world_size=world_size, rank=rank
+        )
+        try:
+            device = "cuda:0" if backend == "nccl" else "cpu"
+            value = torch.tensor([rank + 1.0], device=device)
+            dist.all_reduce(value)
+            return float(value.item())
+        finally:
+            dist.destroy_process_group()
+
+
+def _not_a_causal_lm(model_dir: Path) -> str | None:
+    """Why config.json does not describe a causal LM (…ForCausalLM), or None."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return f"config.json unreadable ({exc})"
+    archs = config.get("architectures") or []
+    if archs and not any(str(a).endswith("ForCausalLM") for a in archs):
+        return f"architectures {archs} is not a causal LM"
+    return None

@@ -1,0 +1,195 @@
+"""Hydra's override syntax and RLinf's YAML files, on top of the config schema.
+
+Overrides (`a.b=c`, `+a.b=c`, `a.b=[x,y]`, `a={k:v}`) are read with Hydra's scalar rules, so a
+value means what it means on Hydra's command line. Every key of RLinf's files is in the schema,
+so they load unchanged (config/rlinf.py says how each key without a setting of its own is taken); a
+key that is in neither is an error that names the closest known key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from rlinf_twoworker.errors import ConfigError
+
+
+def register_rlinf_resolvers() -> None:
+    # RLinf's YAML files use these resolvers (max_new_tokens, return_logprobs).
+    if not OmegaConf.has_resolver("subtract"):
+        OmegaConf.register_resolver("subtract", lambda a, b: a - b)
+    if not OmegaConf.has_resolver("not"):
+        OmegaConf.register_resolver("not", lambda a: not a)
+
+
+class _HydraScalarLoader(yaml.SafeLoader):
+    """YAML with Hydra's scalar rules, so a value means what it means on Hydra's command line.
+
+    PyYAML follows YAML 1.1: `0123` is octal 83, `12:30` is 750, `no`/`on` are booleans and
+    `2024-01-01` is a date. Hydra reads all of those as strings (a RUN_ID must not silently
+    become another name), and only `true`/`false` as booleans.
+    """
+
+
+_REPLACED_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float", "timestamp")}
+_HydraScalarLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in _REPLACED_TAGS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_HydraScalarLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|false)$", re.IGNORECASE), list("tTfF")
+)
+_HydraScalarLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9](?:_?[0-9])*)$"), list("-+0123456789")
+)
+_HydraScalarLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^[-+]?(?:[0-9](?:_?[0-9])*\.[0-9]*(?:[eE][-+]?[0-9]+)?"
+        r"|\.[0-9]+(?:[eE][-+]?[0-9]+)?"
+        r"|[0-9](?:_?[0-9])*[eE][-+]?[0-9]+)$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def _hydra_value_to_yaml(value: str) -> str:
+    """Hydra writes flow maps without a space after ':' ({a:0,b:1}); YAML needs one.
+
+    Only colons directly inside a flow map get the space: `${subtract:${a},${b}}` is an
+    interpolation and stays as written.
+    """
+    out, quote, braces = [], "", []  # braces: True for a `${` interpolation, False for a map
+    for i, ch in enumerate(value):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "{":
+            braces.append(value[i - 1 : i] == "$")
+        elif ch == "}" and braces:
+            braces.pop()
+        elif ch == ":" and braces and not braces[-1] and value[i + 1 : i + 2] not in (" ", ""):
+            out.append(": ")
+            continue
+        out.append(ch)
+    return "".join(out)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Parse one Hydra override into (kind, key, value); kind is '', '+', '++' or '~'."""
+    kind = "++" if text.startswith("++") else text[:1] if text[:1] in "+~" else ""
+    body = text[len(kind) :]
+    key, sep, raw = body.partition("=")
+    key = key.strip()
+    if not key or (not sep and kind != "~"):
+        raise ConfigError(
+            text, text, "an override must look like key=value, +key=value, ++key=value or ~key"
+        )
+    if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
+        raise ConfigError(key, text, "an override key is dot-separated identifiers")
+    if sep and not raw.strip():
+        return kind, key, ""  # Hydra: `key=` sets the empty string
+    try:
+        value = yaml.load(_hydra_value_to_yaml(raw), Loader=_HydraScalarLoader) if sep else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(key, raw, f"value is not valid YAML/Hydra syntax ({exc})") from exc
+    return kind, key, value
+
+
+def apply_override(cfg: DictConfig, text: str, given: set[str] | None = None) -> None:
+    """Apply one override. `given` holds the keys the user's file and earlier overrides set:
+    as on Hydra's command line, `+key` adds a key and fails on one the user already gave; a
+    key that only has its schema default may be added (RLinf's command lines add with `+`
+    keys its YAML lacks, such as runner.per_worker_log)."""
+    given = set() if given is None else given
+    kind, key, value = parse_override(text)
+    exists = OmegaConf.select(cfg, key, default=_MISSING) is not _MISSING
+    if kind == "~":
+        raise ConfigError(key, text, "deleting keys is not supported: every key has a default")
+    if kind == "+" and key in given:
+        raise ConfigError(
+            key, value, "'+' adds a new key but this key was given already; drop the '+'"
+        )
+    if not exists and not _in_a_mapping(cfg, key):
+        raise ConfigError(key, value, unknown_key_rule(cfg, key))
+    try:
+        with open_dict(cfg) if not exists else contextlib.nullcontext():
+            OmegaConf.update(cfg, key, value, merge=False)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(key, value, omegaconf_reason(exc)) from exc
+    given.add(key)
+
+
+def _in_a_mapping(cfg: DictConfig, key: str) -> bool:
+    """Whether `key` is a new entry of a mapping-valued key (cluster.component_placement.
+    reference, say), which takes any entry; a schema section does not."""
+    parent_key, _, _ = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key, default=None) if parent_key else None
+    return isinstance(parent, DictConfig) and parent._metadata.object_type in (None, dict)
+
+
+def schema_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the config (leaves and sections)."""
+    keys = []
+    for name in cfg:
+        dotted = f"{prefix}{name!s}"
+        keys.append(dotted)
+        child = cfg._get_node(name)  # no interpolation is resolved here
+        if isinstance(child, DictConfig):
+            keys.extend(schema_keys(child, dotted + "."))
+    return keys
+
+
+def unknown_key_rule(cfg: DictConfig, key: str) -> str:
+    """'unknown config key', with the closest known key when one is close."""
+    close = difflib.get_close_matches(key, schema_keys(cfg), n=1, cutoff=0.8)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"unknown config key{hint} (see docs/config.md for every key)"
+
+
+_MISSING = object()
+
+
+def omegaconf_reason(exc: OmegaConfBaseException) -> str:
+    first = str(exc).splitlines()[0]
+    if "not in struct" in first or "Key '" in first and "not in" in first:
+        return "unknown config key (see docs/config.md for every key)"
+    return first
+
+
+def merge_file(cfg: DictConfig, path: Path, given: set[str] | None = None) -> DictConfig:
+    """Merge an RLinf-layout YAML file into `cfg`; its keys are added to `given`."""
+    if not path.is_file():
+        raise ConfigError("--config", str(path), "the config file does not exist")
+    try:
+        raw = OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        raise ConfigError("--config", str(path), f"the file is not valid YAML ({exc})") from exc
+    if not isinstance(raw, DictConfig):
+        raise ConfigError("--config", str(path), "the file must hold a mapping (RLinf's layout)")
+    # Section by section, so that an error OmegaConf reports without a key names its section.
+    for section in list(raw.keys()):
+        try:
+            merged = OmegaConf.merge(cfg, OmegaConf.masked_copy(raw, [str(section)]))
+        except OmegaConfBaseException as exc:
+            key = getattr(exc, "full_key", None) or str(section)
+            value = getattr(exc, "value", None)
+            if value is None:  # an unknown key's error carries no value
+                value = OmegaConf.select(raw, key, default=None, throw_on_missing=False)
+            reason = omegaconf_reason(exc)
+            if reason.startswith("unknown config key"):
+                reason = unknown_key_rule(cfg, key)
+            raise ConfigError(f"{key} (in {path})", value, reason) from exc
+        assert isinstance(merged, DictConfig)  # merging into a DictConfig keeps its type
+        cfg = merged
+    if given is not None:
+        given.update(schema_keys(raw))
+    return cfg

@@ -1,0 +1,338 @@
+"""RLinf's keys that are not training settings of their own: Hydra's, the logger's, engine and
+Megatron knobs, FSDP options. Each key is in the schema (so the resolved config keeps it as the
+user gave it) and has exactly one rule here:
+
+- `Rule(key, None, why)`: the value changes nothing, in RLinf's FSDP path as here (a name, a
+  Megatron-only knob, a setting of an engine the library replaces); a value other than the
+  default is accepted and noted once in log/main.log with `why`.
+- `Rule(key, allowed, why)`: only these values ask for what the library does; another value is
+  refused with a ConfigError naming the key, the value and `why` (what to do instead).
+
+Keys with behaviour of their own are implemented where they act: hydra.run.dir and
+hydra.output_subdir (where the Hydra record is also written, rundir.py), runner.logger.log_path
+(where tensorboard/ goes), inference.tokenizer.tokenizer_model (noted when it differs from the
+actor's: inference reads token ids only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import Container, DictConfig, OmegaConf
+
+from rlinf_twoworker.errors import ConfigError
+
+_ENGINE = (
+    "a setting of RLinf's SGLang/vLLM engine; the library generates with its own (rollout.engine)"
+)
+_MEGATRON = (
+    "read only by RLinf's Megatron backend; RLinf's FSDP actor ignores it, as does the library"
+)
+_NAME = "a name; it changes no result"
+_MEGATRON_MODEL_KNOBS = (
+    "add_bias_linear",
+    "activation",
+    "sequence_parallel",
+    "recompute_method",
+    "recompute_granularity",
+    "recompute_num_layers",
+    "normalization",
+    "position_embedding_type",
+    "apply_rope_fusion",
+    "bias_dropout_fusion",
+    "persist_layer_norm",
+    "bias_activation_fusion",
+    "attention_softmax_in_fp32",
+    "batch_p2p_comm",
+    "gradient_accumulation_fusion",
+    "moe_token_dispatcher_type",
+    "use_cpu_initialization",
+)
+
+
+@dataclass(frozen=True)
+class Rule:
+    key: str
+    allowed: tuple[Any, ...] | None
+    why: str
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("defaults", None, "Hydra's defaults list: the schema already holds RLinf's FSDP defaults"),
+    Rule("hydra.searchpath", None, "where Hydra looks for defaults files; nothing is composed"),
+    Rule(
+        "hydra.job.chdir",
+        (False,),
+        "the library never changes the Driver's working directory; set hydra.job.chdir=false",
+    ),
+    Rule(
+        "critic.use_critic_model", (False,), "GRPO has no critic; set critic.use_critic_model=false"
+    ),
+    Rule("runner.task_type", ("reasoning",), "the library trains reasoning (math) tasks only"),
+    Rule("runner.logger.project_name", None, "a wandb/swanlab project name; it changes no result"),
+    Rule("runner.logger.experiment_name", None, "a wandb/swanlab run name; it changes no result"),
+    Rule(
+        "runner.logger.logger_backends",
+        (["tensorboard"],),
+        "the library logs to TensorBoard only; set runner.logger.logger_backends=[tensorboard]",
+    ),
+    Rule("runner.logger.wandb_proxy", None, "a wandb setting; wandb is not a backend here"),
+    Rule("runner.logger.wandb_entity", None, "a wandb setting; wandb is not a backend here"),
+    Rule("runner.logger.swanlab_mode", None, "a swanlab setting; swanlab is not a backend here"),
+    Rule("algorithm.loss_type", ("actor",), "GRPO's actor loss is the only loss here"),
+    Rule(
+        "algorithm.max_num_gen_batches",
+        (1,),
+        "over-generation needs RLinf's down-sampling, which the library does not have; set 1",
+    ),
+    Rule(
+        "algorithm.rollout_batch_size_per_gpu", None, "RLinf reads it nowhere at the pinned commit"
+    ),
+    Rule(
+        "algorithm.val_rollout_batch_size_per_gpu",
+        None,
+        "RLinf reads it nowhere at the pinned commit",
+    ),
+    Rule("algorithm.use_valid_token_scale", None, _MEGATRON),
+    Rule("algorithm.early_stop_imp_ratio", None, _MEGATRON),
+    Rule(
+        "algorithm.entropy_op_type",
+        None,
+        "which kernel computes log-probs and entropy; the values are the same",
+    ),
+    Rule(
+        "algorithm.importance_sampling_fix",
+        (False,),
+        "it reweights by the rollout engine's own log-probs, which the library does not "
+        "return; recompute_logprobs=true is the library's way",
+    ),
+    Rule("algorithm.importance_sampling_clip", None, "used only with importance_sampling_fix"),
+    Rule("algorithm.reinpp_kl_beta", (0, 0.0), "it belongs to adv_type=reinpp; GRPO only here"),
+    Rule("algorithm.use_reinpp_baseline", None, "it belongs to adv_type=reinpp; no effect on GRPO"),
+    Rule("algorithm.down_sampling.do_down_sampling", (False,), "down-sampling is not supported"),
+    Rule(
+        "algorithm.down_sampling.down_sampling_config",
+        None,
+        "used only with do_down_sampling, which must be false",
+    ),
+    Rule("data.type", ("math",), "the library trains math data (AReaL-boba JSONL) only"),
+    Rule("data.dataset_name", None, _NAME),
+    Rule("data.num_workers", None, "data-loader processes; the library reads the file once"),
+    Rule(
+        "data.apply_chat_template",
+        (False,),
+        "AReaL-boba prompts already carry the chat markup; set data.apply_chat_template=false",
+    ),
+    Rule(
+        "data.val_rollout_batch_size",
+        (None,),
+        "RLinf then answers the whole validation set at once; set data.val_num_prompts to "
+        "the number of validation prompts instead",
+    ),
+    Rule("rollout.group_name", None, _NAME),
+    Rule("rollout.model.model_type", None, "the architecture is read from config.json"),
+    Rule("rollout.model.is_lora", (False,), "LoRA is not supported; set it false"),
+    Rule("rollout.gpu_memory_utilization", None, _ENGINE),
+    Rule("rollout.enforce_eager", None, _ENGINE),
+    Rule("rollout.distributed_executor_backend", None, _ENGINE),
+    Rule("rollout.disable_log_stats", None, _ENGINE),
+    Rule("rollout.detokenize", None, "answers are always decoded (the reward grades text)"),
+    Rule("rollout.padding", (None,), "the pad id is the tokenizer's; leave rollout.padding null"),
+    Rule(
+        "rollout.eos",
+        (None,),
+        "EOS ids are the tokenizer's and the model's; leave rollout.eos null",
+    ),
+    Rule("rollout.rollout_backend", None, _ENGINE),
+    Rule("rollout.sglang", None, _ENGINE),
+    Rule("rollout.vllm", None, _ENGINE),
+    Rule(
+        "rollout.return_logprobs",
+        (False,),
+        "inference recomputes the old log-probs (recompute_logprobs=true); set it false",
+    ),
+    Rule("rollout.tensor_parallel_size", (1,), "the rollout runs on one GPU; set 1"),
+    Rule("rollout.pipeline_parallel_size", (1,), "the rollout runs on one GPU; set 1"),
+    Rule("rollout.validate_save_dir", None, "rollout.validate_weight compares digests in memory"),
+    Rule("rollout.print_outputs", None, "answers are not printed; read them with the reward log"),
+    Rule("rollout.sglang_decode_log_interval", None, _ENGINE),
+    Rule("rollout.max_running_requests", None, _ENGINE),
+    Rule("rollout.cuda_graph_max_bs", None, _ENGINE),
+    Rule("rollout.use_torch_compile", None, _ENGINE),
+    Rule("rollout.torch_compile_max_bs", None, _ENGINE),
+    Rule("inference.group_name", None, _NAME),
+    Rule(
+        "inference.load_from_actor",
+        (True,),
+        "inference always takes the actor's weights at each sync; set it true",
+    ),
+    Rule("inference.model.model_type", None, "the architecture is read from config.json"),
+    Rule("inference.model.is_lora", (False,), "LoRA is not supported; set it false"),
+    Rule("inference.fsdp_config", None, "inference is one process here: FSDP options do not apply"),
+    Rule("inference.tokenizer.use_fast", None, "inference reads token ids, not text"),
+    Rule("inference.tokenizer.trust_remote_code", None, "inference reads token ids, not text"),
+    Rule("inference.tokenizer.padding_side", None, "inference reads token ids, not text"),
+    Rule("actor.group_name", None, _NAME),
+    Rule("actor.training_backend", ("fsdp",), "the actor trains with FSDP2; set fsdp"),
+    Rule(
+        "actor.enable_offload",
+        (False,),
+        "offloading the actor between stages is not supported; set it false",
+    ),
+    Rule("actor.model.model_type", None, "the architecture is read from config.json"),
+    Rule("actor.model.is_lora", (False,), "LoRA is not supported; set it false"),
+    Rule("actor.model.tensor_model_parallel_size", (1,), "the actor is FSDP only; set 1"),
+    Rule("actor.model.pipeline_model_parallel_size", (1,), "the actor is FSDP only; set 1"),
+    *(Rule(f"actor.model.{knob}", None, _MEGATRON) for knob in _MEGATRON_MODEL_KNOBS),
+    Rule("actor.model.variable_seq_lengths", None, "sequence packing; the same log-probs"),
+    Rule("actor.tokenizer.use_fast", None, "the fast tokenizer is always used"),
+    Rule("actor.tokenizer.trust_remote_code", None, "the tokenizer is loaded from local files"),
+    Rule("actor.tokenizer.padding_side", None, "padding is laid out by the library itself"),
+    Rule("actor.optim.bf16", None, _MEGATRON),
+    Rule("actor.optim.fp16", None, _MEGATRON),
+    Rule("actor.optim.loss_scale", None, _MEGATRON),
+    Rule("actor.optim.use_distributed_optimizer", None, _MEGATRON),
+    Rule("actor.optim.overlap_grad_reduce", None, _MEGATRON),
+    Rule("actor.optim.overlap_param_gather", None, _MEGATRON),
+    Rule("actor.optim.optimizer_enable_pin", None, _MEGATRON),
+    Rule("actor.optim.overlap_param_gather_with_optimizer_step", None, _MEGATRON),
+    Rule("actor.lr_sched", None, _MEGATRON + " (the FSDP schedule is actor.optim.lr_scheduler)"),
+    Rule("actor.fsdp_config.strategy", ("fsdp", "fsdp2"), "the actor is sharded with FSDP2"),
+    Rule(
+        "actor.fsdp_config.sharding_strategy",
+        ("full_shard",),
+        "the actor shards parameters, gradients and optimiser state; set full_shard",
+    ),
+    Rule("actor.fsdp_config.cpu_offload", (False,), "CPU offload is not supported; set false"),
+    Rule("actor.fsdp_config.offload_pin_memory", None, "used only with cpu_offload"),
+    Rule("actor.fsdp_config.reshard_after_forward", None, "a memory/speed knob; same result"),
+    Rule("actor.fsdp_config.enable_gradient_accumulation", None, "a speed knob; same gradient"),
+    Rule("actor.fsdp_config.forward_prefetch", None, "a speed knob; same result"),
+    Rule("actor.fsdp_config.limit_all_gathers", None, "a speed knob; same result"),
+    Rule("actor.fsdp_config.backward_prefetch", None, "a speed knob; same result"),
+    Rule("actor.fsdp_config.use_orig_params", None, "an FSDP1 knob; FSDP2 keeps the parameters"),
+    Rule("actor.fsdp_config.use_liger_kernel", None, "a kernel choice; same result"),
+    Rule(
+        "actor.fsdp_config.mixed_precision",
+        None,
+        "the actor's GPU precision is actor.mixed_precision (bf16 compute, fp32 gradient "
+        "reduction); fp16 with loss scaling is not offered",
+    ),
+    Rule("actor.fsdp_config.amp_autocast", None, "see actor.fsdp_config.mixed_precision"),
+    Rule("actor.fsdp_config.grad_scaler", None, "loss scaling is for fp16; bf16 needs none"),
+    Rule("reward.group_name", None, _NAME),
+    Rule("reward.use_reward_model", (False,), "rewards are graded by math_verify; set false"),
+    Rule("reward.tokenizer", None, "answers are decoded with actor.tokenizer.tokenizer_model"),
+)
+
+
+@dataclass(kw_only=True)
+class HydraRun:
+    dir: str | None = None
+    """RLinf's Hydra run directory: the Hydra record (config.yaml, overrides.yaml) is also
+    written to <dir>/<output_subdir>; None: <run dir>/hydra."""
+
+
+@dataclass(kw_only=True)
+class HydraJob:
+    chdir: bool = False
+    """Only false: the Driver's working directory never changes."""
+
+
+@dataclass(kw_only=True)
+class HydraConfig:
+    run: HydraRun = field(default_factory=HydraRun)
+    job: HydraJob = field(default_factory=HydraJob)
+    output_subdir: str | None = ".hydra"
+    """Where under hydra.run.dir the Hydra record is also written; null: nowhere else (RLinf
+    keeps none; the library always keeps <run dir>/hydra/.hydra/, which the postflight reads)."""
+    searchpath: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class LoggerConfig:
+    log_path: str | None = None
+    """Where tensorboard/ goes (RLinf's meaning); None: the run directory. The postflight and
+    `report` read it from the run's record."""
+    project_name: str = "rlinf"
+    experiment_name: str | None = None
+    logger_backends: list[str] = field(default_factory=lambda: ["tensorboard"])
+    wandb_proxy: str | None = None
+    wandb_entity: str | None = None
+    swanlab_mode: str | None = None
+
+
+@dataclass(kw_only=True)
+class EngineSettings:
+    """RLinf's rollout-engine knobs (SGLang/vLLM); recorded, not used (see config.rlinf.RULES)."""
+
+    group_name: str = "RolloutGroup"
+    gpu_memory_utilization: float = 0.55
+    enforce_eager: bool = False
+    distributed_executor_backend: str = "mp"
+    disable_log_stats: bool = False
+    detokenize: bool = False
+    padding: Any = None
+    eos: Any = None
+    rollout_backend: str = "sglang"
+    sglang: dict[str, Any] = field(default_factory=dict)
+    vllm: dict[str, Any] = field(default_factory=dict)
+    return_logprobs: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    validate_save_dir: str | None = None
+    print_outputs: bool = False
+    sglang_decode_log_interval: int = 500000
+    max_running_requests: int = 64
+    cuda_graph_max_bs: int = 128
+    use_torch_compile: bool = False
+    torch_compile_max_bs: int = 128
+
+
+@dataclass(kw_only=True)
+class FsdpConfig:
+    """RLinf's actor.fsdp_config. gradient_checkpointing and save_full_model_weights act;
+    every other key has its rule in config.rlinf.RULES."""
+
+    strategy: str = "fsdp"
+    sharding_strategy: str = "full_shard"
+    gradient_checkpointing: bool | None = None
+    """RLinf's name for actor.activation_checkpointing; when set, it sets that key."""
+    cpu_offload: bool = False
+    offload_pin_memory: bool = False
+    reshard_after_forward: bool = True
+    enable_gradient_accumulation: bool = True
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = False
+    backward_prefetch: str | None = None
+    use_orig_params: bool = False
+    use_liger_kernel: bool = False
+    mixed_precision: dict[str, Any] = field(default_factory=dict)
+    amp_autocast: dict[str, Any] = field(default_factory=dict)
+    grad_scaler: dict[str, Any] = field(default_factory=dict)
+    save_full_model_weights: bool = False
+    """Also write each checkpoint's full weights to actor/model_state_dict/full_weights.pt
+    (RLinf's file). RLinf's default is true; the tutorial (and this library) turns it off."""
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, Container) else value
+
+
+def check_rules(cfg: DictConfig, defaults: DictConfig) -> list[str]:
+    """Apply RULES: raise ConfigError for a refused value; return the notes for the run's log
+    (one per accepted key whose value differs from the default)."""
+    notes = []
+    missing = object()
+    for rule in RULES:
+        value = OmegaConf.select(cfg, rule.key, default=missing)
+        if value is missing:
+            continue
+        plain = _plain(value)
+        if rule.allowed is not None and plain not in rule.allowed:
+            allowed = ", ".join(repr(a) for a in rule.allowed)
+            raise ConfigError(rule.key, plain, f"must be {allowed}: {rule.why}")
+        if rule.allowed is None and plain != _plain(OmegaConf.select(defaults, rule.key)):
+            notes.append(f"{rule.key}={plain!r} accepted: {rule.why}")
+    return notes

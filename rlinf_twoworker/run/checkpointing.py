@@ -1,0 +1,117 @@
+"""Checkpoints of a running run: every actor rank writes its DCP shard under a staging name,
+then data.pt (and RLinf's full_weights.pt when asked), then the rename makes it complete
+(storage/checkpoints.py is the file format); and the restore of a run resumed from one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.errors import TwoWorkerError
+from rlinf_twoworker.results import CheckpointInfo
+from rlinf_twoworker.storage.checkpoints import (
+    DATA_FILE,
+    DCP_SUBDIR,
+    FULL_WEIGHTS,
+    HF_SUBDIR,
+    RESUMED_FROM_JSON,
+    files_of,
+    fsync_dir,
+    fsync_tree,
+    prune,
+    resume_limit_problem,
+    step_of,
+)
+from rlinf_twoworker.storage.rundir import atomic_write_text, checkpoint_dir, staging_checkpoint_dir
+
+if TYPE_CHECKING:
+    from rlinf_twoworker.run.group import ComponentGroup
+    from rlinf_twoworker.storage.rundir import RunLog
+
+
+async def save(
+    group: ComponentGroup, cfg: GRPOConfig, run_dir: Path, step: int, data_state: dict[str, Any]
+) -> CheckpointInfo:
+    """All actor ranks write their DCP shards, then data.pt, then the rename makes it final.
+    The file work runs off the event loop: the controller answers meanwhile."""
+    staging = staging_checkpoint_dir(run_dir, step)
+    final = checkpoint_dir(run_dir, step)
+    await asyncio.to_thread(_fresh_staging, staging)
+    await group.call_each(
+        group.actors(),
+        "save_checkpoint",
+        str(staging / DCP_SUBDIR),
+        timeout=cfg.runner.timeouts.checkpoint_s,
+        stage=f"checkpoint {step}",
+    )
+    await asyncio.to_thread(_complete, cfg, staging, final, data_state)
+    if cfg.runner.save_full_weights:  # opt-in: a full model copy costs a full gather
+        from rlinf_twoworker.storage.export import export_hf
+
+        await asyncio.to_thread(export_hf, run_dir, final / HF_SUBDIR, step)
+    await asyncio.to_thread(prune, run_dir, cfg.runner.keep_last_checkpoints)
+    files = await asyncio.to_thread(files_of, final)
+    return CheckpointInfo(step=step, directory=str(final), files=files, finished_at=time.time())
+
+
+def _fresh_staging(staging: Path) -> None:
+    if staging.exists():  # left by a crash of an earlier attempt: never complete, so safe
+        shutil.rmtree(staging)
+    (staging / DATA_FILE).parent.mkdir(parents=True)
+
+
+def _complete(cfg: GRPOConfig, staging: Path, final: Path, data_state: dict[str, Any]) -> None:
+    """data.pt (and full_weights.pt when asked), everything flushed, then the rename."""
+    torch.save(data_state, staging / DATA_FILE)
+    if cfg.actor.fsdp_config.save_full_model_weights:
+        write_full_weights(staging)
+    fsync_tree(staging)
+    os.rename(staging, final)
+    fsync_dir(final.parent)
+
+
+def write_full_weights(checkpoint: Path) -> Path:
+    """RLinf's actor/model_state_dict/full_weights.pt: the model's full state dict (parameter
+    name -> tensor), read back from the checkpoint's DCP shards."""
+    from rlinf_twoworker.storage.readback import model_state
+
+    path = checkpoint / FULL_WEIGHTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(model_state(checkpoint / DCP_SUBDIR), path)
+    return path
+
+
+async def restore(group: ComponentGroup, cfg: GRPOConfig, checkpoint: Path, log: RunLog) -> int:
+    """Load model, optimiser, lr schedule and RNG on every actor rank; returns the step.
+    Records the source in the new run's resumed_from.json and driver.log (RESUMED_FROM=)."""
+    step = step_of(checkpoint)
+    problem = resume_limit_problem(checkpoint, cfg.runner.max_steps)
+    if problem is not None:
+        raise TwoWorkerError(problem)
+    await group.call_each(
+        group.actors(),
+        "load_checkpoint",
+        str(checkpoint / DCP_SUBDIR),
+        timeout=cfg.runner.timeouts.checkpoint_s,
+        stage="resume",
+    )
+    source = Path(checkpoint).resolve()
+    record = {
+        "checkpoint": str(source),
+        "step": step,
+        "run_dir": str(source.parent.parent),
+        "run_id": source.parent.parent.name,
+        "resume_dir": cfg.runner.resume_dir,
+        "time": time.time(),
+    }
+    atomic_write_text(log.run_dir / RESUMED_FROM_JSON, json.dumps(record, indent=2) + "\n")
+    log.info(f"RESUMED_FROM={source} step={step}")
+    return step

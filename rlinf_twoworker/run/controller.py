@@ -1,0 +1,489 @@
+"""The run controller: an async Ray actor on the Driver's node that owns one run.
+
+It builds the placement group, runs preflight, starts the components, trains, checkpoints and
+verifies; meanwhile it answers the handle's futures (`wait_step`, `wait_checkpoint`, ...). A
+failure or a cancellation resolves every pending future with that error, kills the run's
+actors and removes its placement group, so no future hangs and nothing is left holding GPUs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any, cast
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlinf_twoworker.cluster.placement import (
+    bundle_node_ids,
+    placement_timeout_error,
+    request_placement_group,
+    wait_removed,
+)
+from rlinf_twoworker.config import GRPOConfig, config_notes
+from rlinf_twoworker.engines.models import load_tokenizer
+from rlinf_twoworker.errors import RunCancelledError, TwoWorkerError
+from rlinf_twoworker.results import CheckpointInfo, StepResult
+from rlinf_twoworker.run import checkpointing
+from rlinf_twoworker.run.group import ComponentGroup
+from rlinf_twoworker.run.liveness import Watch, liveness_error, root_cause
+from rlinf_twoworker.run.step import run_step, sync_weights, validate
+from rlinf_twoworker.storage import checkpoints as ckpt
+from rlinf_twoworker.storage.data import (
+    PromptSampler,
+    encode_prompts,
+    load_jsonl,
+    validation_samples,
+)
+from rlinf_twoworker.storage.metrics import MetricsWriter
+from rlinf_twoworker.storage.rundir import RunLog, write_failure
+
+
+class _Future:
+    """A value that resolves once, or fails with an error."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def set(self, value: Any) -> None:
+        self.value = value
+        self.event.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.event.is_set():
+            self.error = error
+            self.event.set()
+
+
+def fresh_error(root: BaseException) -> BaseException:
+    """A new exception with the root cause's type and message, chained to it: every waiter
+    raises its own, so none carries another waiter's frames."""
+    try:
+        fresh = copy.copy(root)
+    except Exception:  # an exception type that cannot be copied: wrap it
+        fresh = TwoWorkerError(f"{type(root).__name__}: {root}")
+    fresh.__traceback__ = None
+    fresh.__cause__ = root
+    return fresh
+
+
+class RunController:
+    def __init__(
+        self, cfg: DictConfig, typed: GRPOConfig, run_dir: str, classes: dict | None = None
+    ) -> None:
+        self.raw_cfg = cfg  # as given: what the config notes and the placement record read
+        self.cfg = typed
+        self.run_dir = Path(run_dir)
+        self.run_id = self.cfg.runner.experiment_name
+        self.log = RunLog(self.run_dir)
+        self.classes = classes
+        self.steps: dict[int, _Future] = {}
+        self.checkpoints: dict[int, _Future] = {}
+        self.preflight_f, self.result_f, self.placement_f = _Future(), _Future(), _Future()
+        self.error: BaseException | None = None
+        self.detected: BaseException | None = None  # a death the watchdog saw
+        self.bundle_nodes: list[str] = []
+        self.samples: list[Any] = []
+        self.val_samples: list[Any] = []
+        self.total_steps = self.cfg.runner.max_steps  # lowered by max_epochs once data is read
+        self.group: ComponentGroup | None = None
+        self.watch: Watch | None = None
+        self.pg: Any = None
+        self.task: asyncio.Task | None = None
+        self.state = "pending"
+        self.phase = "starting"
+        self.current_step = 0
+        self.steps_done = 0
+        self.resume_step = 0
+        self.resume_from: Path | None = None
+        self.last: dict[str, float] = {}
+        self.last_step = 0  # the step `last` belongs to
+        self.started_at = time.time()
+
+    # ---- the handle's view -------------------------------------------------------------
+    async def start(self) -> bool:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+        return True
+
+    async def _await(self, future: _Future, timeout: float | None = None) -> Any:
+        await asyncio.wait_for(future.event.wait(), timeout)
+        if future.error is not None:
+            raise fresh_error(future.error)
+        if future.value is None and self.error is not None:
+            raise fresh_error(self.error)
+        return future.value
+
+    def _step_future(self, n: int) -> _Future:
+        future = self.steps.setdefault(n, _Future())
+        if n > self.total_steps:
+            future.fail(self._past_the_end(n, "step"))
+        elif self.error is not None:  # asked for after the run ended without it
+            future.fail(self.error)
+        return future
+
+    def _checkpoint_future(self, n: int) -> _Future:
+        future = self.checkpoints.setdefault(n, _Future())
+        if n not in ckpt.scheduled_steps(self.cfg, self.total_steps):
+            future.fail(self._past_the_end(n, "checkpoint"))
+        elif self.error is not None:
+            future.fail(self.error)
+        return future
+
+    def _past_the_end(self, n: int, what: str) -> TwoWorkerError:
+        runner = self.cfg.runner
+        scheduled = ckpt.scheduled_steps(self.cfg, self.total_steps)
+        if what == "checkpoint" and n <= self.total_steps:
+            return TwoWorkerError(
+                f"no checkpoint is scheduled at step {n}; run {self.run_id} checkpoints at "
+                f"steps {scheduled} (runner.save_interval={runner.save_interval}, and the last)"
+            )
+        return TwoWorkerError(
+            f"run {self.run_id} ends at step {self.total_steps}: runner.max_epochs="
+            f"{runner.max_epochs} epoch(s) of the training data end it before "
+            f"runner.max_steps={runner.max_steps}, so there is no {what} {n}"
+        )
+
+    def checkpoint_steps(self) -> list[int]:
+        """The steps this run checkpoints at (the last one known once the data is read)."""
+        return ckpt.scheduled_steps(self.cfg, self.total_steps)
+
+    async def wait_step(self, n: int) -> StepResult:
+        return await self._await(self._step_future(n))
+
+    async def wait_checkpoint(self, n: int) -> CheckpointInfo:
+        return await self._await(self._checkpoint_future(n))
+
+    async def wait_preflight(self) -> Any:
+        return await self._await(self.preflight_f)
+
+    async def wait_result(self) -> Any:
+        return await self._await(self.result_f)
+
+    async def placement_group(self) -> Any:
+        return await self._await(self.placement_f)
+
+    def topology(self) -> list[dict[str, Any]]:
+        if self.group is None or not self.group.all():
+            raise TwoWorkerError(
+                f"run {self.run_id} has no components yet (phase: {self.phase}); they start "
+                "after the placement and the preflight: ray.get(handle.preflight) first"
+            )
+        return [p.to_dict() for p in self.group.topology()]
+
+    def status(self) -> dict[str, Any]:
+        """What the run does now (state, phase), how far it is (steps_done of total_steps,
+        the step in progress), and the metrics of step `metrics_step`, the last one done."""
+        return {
+            "run_id": self.run_id,
+            "state": self.state,
+            "phase": self.phase,
+            "steps_done": self.steps_done,
+            "step": self.current_step,
+            "total_steps": self.total_steps,
+            "max_steps": self.cfg.runner.max_steps,
+            "metrics_step": self.last_step,
+            "metrics": dict(self.last),
+            "error": None if self.error is None else str(self.error),
+            "elapsed_s": time.time() - self.started_at,
+            "controller_pid": os.getpid(),
+        }
+
+    async def cancel(self) -> bool:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            try:
+                await asyncio.wait_for(asyncio.shield(self.task), 60)
+            except (asyncio.CancelledError, asyncio.TimeoutError):
+                pass
+        return True
+
+    # ---- the run ---------------------------------------------------------------------------
+    async def _run(self) -> None:
+        watchdog = asyncio.get_running_loop().create_task(self._watchdog())
+        failure: tuple[BaseException, str] | None = None
+        try:
+            self.state = "running"
+            for note in config_notes(self.raw_cfg):
+                self.log.info(f"CONFIG_NOTE {note}")
+            await self._setup()
+            await self._train()
+            watchdog.cancel()  # before the components are released on purpose
+            report = await self._finish()
+            self.state = "succeeded" if report.passed else "failed"
+            self.phase = "done"
+            self.result_f.set(report)
+        except asyncio.CancelledError:
+            if self.detected is not None:  # the watchdog stopped the run: a death, not a cancel
+                failure = (self.detected, "failed")
+            else:
+                failure = (RunCancelledError(f"run {self.run_id} was cancelled"), "cancelled")
+        except BaseException as exc:  # every failure must resolve the futures
+            watchdog.cancel()
+            failure = (exc, "failed")
+            failure = (await root_cause(self.watch, exc, self._poll_s), "failed")
+        finally:
+            watchdog.cancel()
+            if self.watch is not None:
+                self.watch.stop()
+            try:  # release first: when a future raises, the cluster is already free
+                await asyncio.to_thread(self._release)
+            finally:
+                if failure is not None:
+                    self._fail(*failure)
+
+    async def _setup(self) -> None:
+        from rlinf_twoworker.cluster.preflight import preflight
+        from rlinf_twoworker.cluster.probe import NodeProbe
+
+        cfg, timeouts = self.cfg, self.cfg.runner.timeouts
+        placement = cfg.placement
+        name = f"{self.run_id}:pg"
+        self.phase = "placement"
+        self.pg = request_placement_group(cfg.cluster, name)  # set first: release finds it
+        try:
+            await asyncio.wait_for(self.pg.ready(), timeouts.placement_s)
+        except asyncio.TimeoutError:
+            raise placement_timeout_error(cfg.cluster, name, timeouts.placement_s) from None
+        places = await asyncio.to_thread(_bundle_places, self.pg)
+        self.bundle_nodes = [p["node_id"] for p in places]
+        self.placement_f.set(self.pg)
+        self.phase = "preflight"
+        probe = (self.classes or {}).get("probe", NodeProbe)  # tests inject a slow one
+        report = await preflight(cfg, self.pg, self.run_dir, self.log.status, probe_cls=probe)
+        self.preflight_f.set(report)
+        self.phase = "loading data"
+        await self._load_data()  # bad data fails the run here, before any model is loaded
+        self.phase = "loading components"
+        group = ComponentGroup(
+            cfg, self.run_id, placement, self.pg, self.classes, bundle_nodes=places
+        )
+        self.group, self.watch = group, Watch(group)  # set first: release, watchdog find it
+        group.start()
+        await group.wait_started()
+        if cfg.runner.per_worker_log:
+            await self._attach_worker_logs(group)
+        await self._join_process_groups(group)
+        for row in group.topology():
+            self.log.info(
+                f"COMPONENT {row.component}:{row.rank} bundle={row.bundle} "
+                f"node={row.node_id[:8]} ip={row.node_ip} gpus={row.gpu_ids}"
+            )
+
+    async def _load_data(self) -> None:
+        """The training samples, the run's step count (the earlier of runner.max_steps and
+        runner.max_epochs epochs) and, when the run validates, its validation samples."""
+        data, runner = self.cfg.data, self.cfg.runner
+
+        def read(paths: list[str]) -> list[Any]:
+            return load_jsonl(
+                paths,
+                data.prompt_key,
+                data.answer_key,
+                data.skip_malformed_lines,
+                lambda note: self.log.info(f"DATA_WARNING {note}"),
+            )
+
+        self.samples = await asyncio.to_thread(read, data.train_data_paths)
+        per_epoch = len(self.samples) // data.rollout_batch_size
+        self.total_steps = min(runner.max_steps, runner.max_epochs * per_epoch)
+        if self.total_steps < runner.max_steps:
+            self.log.info(
+                f"EPOCH_LIMIT runner.max_epochs={runner.max_epochs} x {per_epoch} steps an epoch "
+                f"({len(self.samples)} samples, {data.rollout_batch_size} a step) end the run at "
+                f"step {self.total_steps}, before runner.max_steps={runner.max_steps}"
+            )
+            for n in [n for n in self.steps if n > self.total_steps]:
+                self._step_future(n)
+        for n in list(self.checkpoints):
+            self._checkpoint_future(n)
+        if self.cfg.validates:
+            pool = await asyncio.to_thread(read, data.val_data_paths)
+            self.val_samples = validation_samples(pool, self.cfg)
+
+    async def _attach_worker_logs(self, group: ComponentGroup) -> None:
+        members = group.all()
+        paths = [
+            (str(self.run_dir / "log" / f"{m.slot.component}-{m.slot.rank}.log"),) for m in members
+        ]
+        await group.call_each(
+            members,
+            "attach_log",
+            timeout=self.cfg.runner.timeouts.actor_start_s,
+            stage="per-worker log",
+            per_member=paths,
+        )
+
+    async def _join_process_groups(self, group: ComponentGroup) -> None:
+        timeout = self.cfg.runner.timeouts.collective_s
+        actors = group.actors()
+        consumers = group.policy_copies()
+        members = actors + consumers
+        master = await group.call(
+            actors[0], "rendezvous_address", timeout=timeout, stage="rendezvous"
+        )
+        actor_ranks = list(range(len(actors)))
+        consumer_ranks = list(range(len(actors), len(members)))
+        shared = group.shared_gpus()
+        args = [
+            (tuple(master), i, len(members), actor_ranks, consumer_ranks, shared)
+            for i in range(len(members))
+        ]
+        await group.call_each(
+            members, "join", timeout=timeout, stage="process group", per_member=args
+        )
+        await group.call_each(
+            actors, "build", timeout=self.cfg.runner.timeouts.actor_start_s, stage="actor build"
+        )
+        self.resume_from = ckpt.resume_source(self.cfg, self.run_dir)
+        if self.resume_from is not None:
+            self.resume_step = await checkpointing.restore(
+                group, self.cfg, self.resume_from, self.log
+            )
+        await sync_weights(group, self.cfg)  # rollout and inference start from the actor
+
+    async def _train(self) -> None:
+        cfg, group, source = self.cfg, self.group, self.resume_from
+        if group is None:
+            raise RuntimeError("training started before the components (a library bug)")
+        data, samples = cfg.data, self.samples
+        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer_path)
+        sampler = PromptSampler(len(samples), data.rollout_batch_size, data.shuffle, data.seed)
+        val_prompts = encode_prompts(
+            tokenizer,
+            [s.prompt for s in self.val_samples],
+            data.max_prompt_length,
+            log=self.log.info,
+        )
+        if source is not None:
+            sampler.load_state_dict(ckpt.load_data_state(source)["sampler"])
+            for step in range(1, self.resume_step + 1):  # steps done by the run resumed from
+                self._step_future(step).set(StepResult(step, {}, {}))
+                if step in ckpt.scheduled_steps(cfg, self.total_steps):
+                    self._checkpoint_future(step).set(ckpt.inherited_info(source, step))
+            self.steps_done = self.resume_step
+        writer = await asyncio.to_thread(MetricsWriter, cfg.log_dir)
+        try:
+            for step in range(self.resume_step + 1, self.total_steps + 1):
+                self.current_step, self.phase = step, f"step {step}"
+                indices = sampler.next_batch()
+                prompts = encode_prompts(
+                    tokenizer,
+                    [samples[i].prompt for i in indices],
+                    data.max_prompt_length,
+                    log=self.log.info,
+                )
+                result = await run_step(
+                    group, cfg, step, prompts, [samples[i].solutions for i in indices]
+                )
+                if self._validates_at(step):
+                    self.phase = f"validation after step {step}"
+                    val = await validate(
+                        group, cfg, step, val_prompts, [s.solutions for s in self.val_samples]
+                    )
+                    result.timings["time/validation"] = val.pop("time/validation")
+                    result.metrics.update(val)
+                self.last, self.last_step = {**result.metrics, **result.timings}, step
+                writer.write(step, self.last)
+                self.log.info(_step_line(step, self.total_steps, result))
+                self.steps_done = step
+                self._step_future(step).set(result)
+                if step in ckpt.scheduled_steps(cfg, self.total_steps):
+                    self.phase = f"checkpoint {step}"
+                    info = await checkpointing.save(
+                        group,
+                        cfg,
+                        self.run_dir,
+                        step,
+                        {"sampler": sampler.state_dict(), "step": step},
+                    )
+                    self.log.info(f"CHECKPOINT step={step} dir={info.directory}")
+                    self._checkpoint_future(step).set(info)
+        finally:
+            writer.close()
+        self.log.info(f"Step limit given by max_steps={self.total_steps} reached. Stopping run")
+        self.log.status("RLINF_PYTHON_EXIT_CODE=0")
+
+    def _validates_at(self, step: int) -> bool:
+        """RLinf's rule: every runner.val_check_interval steps and at the last step."""
+        interval = self.cfg.runner.val_check_interval
+        return self.cfg.validates and (step % interval == 0 or step == self.total_steps)
+
+    async def _finish(self) -> Any:
+        from rlinf_twoworker.storage.verify import expected_from_config, verify_run
+
+        self.phase = "postflight"
+        await asyncio.to_thread(self._release)
+        placement = cast(
+            dict[str, Any], OmegaConf.to_container(self.raw_cfg.cluster.component_placement)
+        )
+        expected = expected_from_config(self.cfg, placement, self.total_steps)
+        return await asyncio.to_thread(
+            verify_run, self.run_dir, expected=expected, log=self.log.status
+        )
+
+    # ---- failure detection -------------------------------------------------------------------
+    @property
+    def _poll_s(self) -> float:
+        """How often the watchdog looks, and how long a failure's root cause is looked for:
+        four looks within runner.timeouts.failure_detection_s, at most every 5 s."""
+        return min(5.0, self.cfg.runner.timeouts.failure_detection_s / 4)
+
+    async def _watchdog(self) -> None:
+        """Fail the run within runner.timeouts.failure_detection_s when a component's process
+        or a node of the placement group dies, even while no call to it is in flight (the
+        reward actor dying during the actor update). Calls in flight fail on their own."""
+        while True:
+            await asyncio.sleep(self._poll_s)
+            error = await liveness_error(self.watch, self.bundle_nodes, self.run_id)
+            if error is not None and self.task is not None:
+                self.detected = error
+                self.task.cancel()
+                return
+
+    # ---- failure and clean-up ----------------------------------------------------------------
+    def _fail(self, exc: BaseException, state: str) -> None:
+        self.error, self.state = exc, state
+        detail = "".join(traceback.format_exception(exc)) if state == "failed" else str(exc)
+        summary = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        self.log.info(f"RUN_{state.upper()} error={type(exc).__name__}: {summary}")
+        with open(self.run_dir / "log" / "main.log", "a", encoding="utf-8") as handle:
+            handle.write(detail + "\n")
+        write_failure(self.run_dir, exc, state, self.current_step)
+        self.phase = state
+        futures = [*self.steps.values(), *self.checkpoints.values()]
+        for future in [*futures, self.preflight_f, self.result_f, self.placement_f]:
+            future.fail(exc)
+
+    def _release(self) -> None:
+        if self.group is not None:
+            self.group.kill()
+        if self.pg is not None:
+            wait_removed(self.pg)
+
+
+def _bundle_places(pg: Any) -> list[dict[str, str]]:
+    """Node id and IP of each bundle of the placement group, by bundle index."""
+    import ray
+
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    return [{"node_id": n, "ip": ips.get(n, "?")} for n in bundle_node_ids(pg)]
+
+
+def _step_line(step: int, max_steps: int, result: StepResult) -> str:
+    m, t = result.metrics, result.timings
+    return (
+        f"STEP {step}/{max_steps} reward={m['rollout/reward_scores']:.4f} "
+        f"loss={m['actor/training/actor/final_loss']:.6f} "
+        f"grad_norm={m['actor/training/actor/grad_norm']:.4f} "
+        f"lr={m['actor/training/actor/lr']:.3g} "
+        + (f"val_reward={m['val/reward_scores']:.4f} " if "val/reward_scores" in m else "")
+        + f"time={t['time/step']:.2f}s "
+        f"(rollout {t['time/rollout']:.2f}s, actor {t['time/actor/training']:.2f}s, "
+        f"sync {t['time/sync_weights']:.2f}s)"
+    )

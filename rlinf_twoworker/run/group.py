@@ -1,0 +1,196 @@
+"""Start every component as a Ray actor pinned to its bundle and GPU, and call them safely.
+
+Actor names are `<run_id>:<component>:<rank>` in namespace `rlinf_twoworker`, so operators
+find them with `ray list actors`. Every call goes through `call`, which applies a timeout and
+turns any failure into a ComponentError naming the component, its rank and its node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from rlinf_twoworker import components
+from rlinf_twoworker.cluster.connect import NAMESPACE
+from rlinf_twoworker.cluster.placement import scheduling_options
+from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.config.placement import Placement, Slot
+from rlinf_twoworker.errors import ComponentError
+from rlinf_twoworker.results import Placed
+from rlinf_twoworker.run.liveness import is_death, short_reason
+
+
+@dataclass
+class Member:
+    slot: Slot
+    handle: Any
+    where: dict[str, Any]
+
+
+class ComponentGroup:
+    """Every component process of one run, with where each one lives."""
+
+    def __init__(
+        self,
+        cfg: GRPOConfig,
+        run_id: str,
+        placement: Placement,
+        pg: Any,
+        classes: dict[str, type] | None = None,
+        bundle_nodes: list[dict[str, str]] | None = None,
+    ) -> None:
+        """`bundle_nodes[i]` is {'node_id', 'ip'} of bundle i: where a member is known to be
+        before it answers (an error in its constructor still names its node)."""
+        self.cfg, self.run_id, self.placement, self.pg = cfg, run_id, placement, pg
+        self.bundle_nodes = bundle_nodes or []
+        table = {c.name: c for c in components.in_run(cfg)}
+        self.table = table
+        self.classes = {**{n: c.worker_class() for n, c in table.items()}, **(classes or {})}
+        self.members: dict[str, list[Member]] = {}
+        self.timeouts = cfg.runner.timeouts
+        self.stopping = False
+
+    def start(self) -> None:
+        """Create every actor (model loading starts in parallel); `wait_started` awaits them."""
+        env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+        for slot in self.placement.slots:
+            cls = self.classes[slot.component]
+            options = scheduling_options(self.pg, self.placement, slot)
+            remote: Any = ray.remote(cls).options(
+                name=f"{self.run_id}:{slot.component}:{slot.rank}",
+                namespace=NAMESPACE,
+                max_concurrency=self.table[slot.component].concurrency,
+                runtime_env={"env_vars": env},
+                max_restarts=0,
+                **options,
+            )
+            handle = remote.remote(self.cfg, slot.rank)
+            where = dict(self.bundle_nodes[slot.bundle]) if self.bundle_nodes else {}
+            self.members.setdefault(slot.component, []).append(Member(slot, handle, where))
+
+    async def wait_started(self) -> None:
+        members = self.all()
+        wheres = await self.call_each(
+            members, "where", timeout=self.timeouts.actor_start_s, stage="start"
+        )
+        for member, where in zip(members, wheres):
+            member.where = where
+
+    def all(self) -> list[Member]:
+        return [m for ms in self.members.values() for m in ms]
+
+    def one(self, component: str) -> Member:
+        return self.members[component][0]
+
+    def actors(self) -> list[Member]:
+        """The training ranks (the table's `trains` component)."""
+        trainer = next(c.name for c in self.table.values() if c.trains)
+        return self.members[trainer]
+
+    def policy_copies(self) -> list[Member]:
+        """The members the actor's weights are synced to, in table order (the first is the
+        sync's relay across the node boundary)."""
+        return [m for c in self.table.values() if c.receives_weights for m in self.members[c.name]]
+
+    def describe(self, member: Member) -> str:
+        w = member.where
+        host = f"{w['host']}/" if w.get("host") else ""
+        return f"{host}{w.get('ip', '?')} node {str(w.get('node_id', '?'))[:8]}"
+
+    async def call(
+        self, member: Member, method: str, *args: Any, timeout: float, stage: str
+    ) -> Any:
+        """One remote call with a timeout; any failure names component, rank and node."""
+        ref = getattr(member.handle, method).remote(*args)
+        try:
+            return await asyncio.wait_for(ref, timeout)
+        except asyncio.TimeoutError:
+            raise ComponentError(
+                member.slot.component,
+                member.slot.rank,
+                self.describe(member),
+                f"{stage} ({method}) did not finish within {timeout:g} s; "
+                "raise runner.timeouts or look at the component's log",
+            ) from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise ComponentError(
+                member.slot.component,
+                member.slot.rank,
+                self.describe(member),
+                f"{stage} ({method}) failed: {short_reason(exc)}",
+            ) from exc
+
+    async def call_each(
+        self,
+        members: list[Member],
+        method: str,
+        *args: Any,
+        timeout: float,
+        stage: str,
+        per_member: list[tuple] | None = None,
+    ) -> list[Any]:
+        """The same method on several members concurrently (a collective must be entered by
+        all); the first failure cancels the wait on the others and is raised at once, so a
+        collective stalled by a dead member never holds the run (a death is preferred as the
+        error when several members failed together)."""
+        argss = per_member or [args] * len(members)
+        return await gather_fail_fast(
+            [self.call(m, method, *a, timeout=timeout, stage=stage) for m, a in zip(members, argss)]
+        )
+
+    def shared_gpus(self) -> tuple[bool, bool]:
+        """Whether the weight sync's cross group (actor 0, the relay) and fan-out group (the
+        policy copies) join processes on one GPU, where NCCL cannot run between them."""
+        if self.cfg.cluster.accelerator != "cuda":
+            return (False, False)
+        source = self.actors()[0].slot.resource_rank
+        ranks = [m.slot.resource_rank for m in self.policy_copies()]
+        return (source == ranks[0], len(set(ranks)) < len(ranks))
+
+    def topology(self) -> list[Placed]:
+        rows = []
+        for m in self.all():
+            rows.append(
+                Placed(
+                    m.slot.component,
+                    m.slot.rank,
+                    m.slot.bundle,
+                    m.slot.resource_rank,
+                    str(m.where.get("node_id", "")),
+                    str(m.where.get("ip", "")),
+                    list(m.where.get("gpu_ids", [])),
+                    int(m.where.get("pid", 0)),
+                )
+            )
+        return rows
+
+    def kill(self) -> None:
+        self.stopping = True  # our own kills are not deaths to report
+        for member in self.all():
+            try:
+                ray.kill(member.handle, no_restart=True)
+            except Exception:  # already dead: nothing left to release
+                pass
+
+
+async def gather_fail_fast(calls: Sequence[Awaitable[Any]]) -> list[Any]:
+    """Await all calls; at the first failure stop waiting on the others and raise it (a death
+    first, when several failed together). asyncio.gather would leave the others running."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op for finished ones
+    failed = [
+        exc for t in tasks if t.done() and not t.cancelled() and (exc := t.exception()) is not None
+    ]
+    if failed:
+        raise min(failed, key=lambda exc: not is_death(exc.__cause__))
+    return [t.result() for t in tasks]

@@ -1,0 +1,231 @@
+"""Durable checkpoints: written under a temporary name, renamed only when complete.
+
+Layout (RLinf's): checkpoints/global_step_<N>/actor/dcp_checkpoint/{.metadata,__<r>_0.distcp}
+with a top-level `fsdp_checkpoint` key holding model, optimizers, lr_schedulers and rng; and
+checkpoints/global_step_<N>/data/data.pt with the data sampler's state. A directory under its
+final name is complete by construction: every shard, .metadata and data.pt were written and
+flushed before the rename. Resuming trusts a directory only after `checkpoint_problems` finds
+nothing wrong with its files (readback.py reads one back without Ray).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.errors import TwoWorkerError
+from rlinf_twoworker.results import CheckpointInfo
+from rlinf_twoworker.storage.rundir import (
+    checkpoint_dir,
+    complete_checkpoint_steps,
+)
+
+if TYPE_CHECKING:
+    pass
+
+DCP_SUBDIR = Path("actor") / "dcp_checkpoint"
+DATA_FILE = Path("data") / "data.pt"
+HF_SUBDIR = Path("actor") / "huggingface"  # with runner.save_full_weights
+FULL_WEIGHTS = Path("actor") / "model_state_dict" / "full_weights.pt"
+"""RLinf's full-model file (actor.fsdp_config.save_full_model_weights)."""
+METADATA = ".metadata"
+MODEL_PREFIX = "fsdp_checkpoint.model."
+"""DCP key prefix of the actor's model weights (keys are flattened with dots)."""
+RESUMED_FROM_JSON = "resumed_from.json"
+
+
+class CheckpointReadError(TwoWorkerError):
+    """A checkpoint's files are missing, damaged or unreadable; the message names the file."""
+
+
+def scheduled_steps(cfg: GRPOConfig, last: int | None = None) -> list[int]:
+    """Steps that get a checkpoint, as RLinf decides: every save_interval steps and the last
+    step (runner.max_steps, or `last` when the epochs end the run earlier); none with
+    save_interval <= 0 (RLinf's -1)."""
+    last = cfg.runner.max_steps if last is None else last
+    interval = cfg.runner.save_interval
+    if interval <= 0:
+        return []
+    return sorted(set(range(interval, last + 1, interval)) | {last})
+
+
+def fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    for directory in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
+        fsync_dir(directory)
+
+
+def files_of(directory: Path) -> dict[str, int]:
+    return {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(Path(directory).rglob("*"))
+        if p.is_file()
+    }
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def prune(run_dir: Path, keep_last: int) -> list[int]:
+    """Delete all but the newest `keep_last` complete checkpoints (0 keeps all)."""
+    steps = complete_steps(run_dir)
+    if keep_last <= 0 or len(steps) <= keep_last:
+        return []
+    doomed = steps[:-keep_last]
+    for step in doomed:
+        shutil.rmtree(checkpoint_dir(run_dir, step))
+    return doomed
+
+
+# ---- finding complete checkpoints ---------------------------------------------------------
+
+
+def read_metadata(dcp_dir: Path) -> Any:
+    """The DCP `.metadata` of `dcp_dir`; raises CheckpointReadError naming the file."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(dcp_dir) / METADATA
+    if not path.is_file() or path.stat().st_size == 0:
+        raise CheckpointReadError(f"{path} is missing or empty: the checkpoint was not finished")
+    try:
+        return FileSystemReader(str(dcp_dir)).read_metadata()
+    except Exception as exc:  # truncated or foreign pickle: one line naming the file
+        raise CheckpointReadError(
+            f"{path} cannot be read ({type(exc).__name__}: {exc}): the file is damaged"
+        ) from exc
+
+
+def dcp_problems(dcp_dir: Path) -> list[str]:
+    """What makes a DCP directory unloadable, judged from its files: an unreadable .metadata,
+    a shard it names that is missing or shorter than the bytes it must hold."""
+    try:
+        metadata = read_metadata(dcp_dir)
+    except CheckpointReadError as exc:
+        return [str(exc)]
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    problems = []
+    for name, size in sorted(needed.items()):
+        shard = Path(dcp_dir) / name
+        if not shard.is_file():
+            problems.append(f"shard {shard} named in {METADATA} is missing")
+        elif shard.stat().st_size < size:
+            problems.append(
+                f"shard {shard} has {shard.stat().st_size} bytes but {METADATA} needs {size}: "
+                "the file is truncated"
+            )
+    return problems
+
+
+def checkpoint_problems(checkpoint: Path) -> list[str]:
+    """Empty when `checkpoints/global_step_<N>` can be resumed from: DCP files and data.pt."""
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        return [f"checkpoint directory {checkpoint} does not exist"]
+    problems = dcp_problems(checkpoint / DCP_SUBDIR)
+    data = checkpoint / DATA_FILE
+    if not data.is_file() or data.stat().st_size == 0:
+        problems.append(f"{data} is missing or empty: the data order cannot be restored")
+    return problems
+
+
+def complete_steps(run_dir: Path) -> list[int]:
+    """Steps whose checkpoint is under its final name and whose files are all there."""
+    return [
+        step
+        for step in complete_checkpoint_steps(run_dir)
+        if not checkpoint_problems(checkpoint_dir(run_dir, step))
+    ]
+
+
+def last_complete(run_dir: Path) -> Path | None:
+    steps = complete_steps(run_dir)
+    return checkpoint_dir(run_dir, steps[-1]) if steps else None
+
+
+def _finished_at(checkpoint: Path) -> float:
+    return (checkpoint / DCP_SUBDIR / METADATA).stat().st_mtime
+
+
+def resume_source(cfg: GRPOConfig, run_dir: Path) -> Path | None:
+    """The checkpoint directory to resume from, or None. 'auto' takes, among the other runs
+    under runner.output_dir, the newest complete checkpoint (staging `.incomplete` directories
+    and checkpoints with missing files are never taken); a path may be a run directory or a
+    global_step_<N> directory."""
+    value = cfg.runner.resume_dir
+    if not value:
+        return None
+    if value == "auto":
+        output_root = Path(cfg.runner.output_dir)
+        here = Path(run_dir).resolve()
+        candidates = [
+            found
+            for p in (sorted(output_root.iterdir()) if output_root.is_dir() else [])
+            if p.is_dir() and p.resolve() != here and (found := last_complete(p)) is not None
+        ]
+        if not candidates:
+            raise TwoWorkerError(
+                f"runner.resume_dir=auto found no run with a complete checkpoint under "
+                f"{output_root}; give the run directory to resume from, or drop resume_dir"
+            )
+        return max(candidates, key=lambda c: (_finished_at(c), c.parent.parent.name))
+    path = Path(value)
+    if path.name.startswith("global_step_"):
+        problems = checkpoint_problems(path)
+        if problems:
+            raise TwoWorkerError(
+                f"runner.resume_dir={value} cannot be resumed from: {problems[0]}; choose a "
+                "complete checkpoint, or give its run directory to take the newest complete one"
+            )
+        return path
+    found = last_complete(path)
+    if found is None:
+        raise TwoWorkerError(
+            f"runner.resume_dir={value}: no complete checkpoint there "
+            "(checkpoints/global_step_<N>/ with actor/dcp_checkpoint/.metadata, its shards "
+            "and data/data.pt)"
+        )
+    return found
+
+
+def resume_limit_problem(checkpoint: Path, max_steps: int) -> str | None:
+    """Why a run of `max_steps` cannot resume from `checkpoint` (it is not behind), or None:
+    the one resume-limit rule."""
+    step = step_of(checkpoint)
+    if step < max_steps:
+        return None
+    return (
+        f"the resume checkpoint {checkpoint} is at step {step}, but the run stops at "
+        f"runner.max_steps={max_steps}: ask for more steps"
+    )
+
+
+def step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix("global_step_"))
+
+
+def load_data_state(checkpoint: Path) -> dict[str, Any]:
+    return torch.load(checkpoint / DATA_FILE, weights_only=True)
+
+
+def inherited_info(resume_from: Path, step: int) -> CheckpointInfo:
+    """A resumed run's checkpoint future for a step done by the run it resumed from: that
+    run's checkpoint of the step (files empty when it was pruned or never written)."""
+    directory = checkpoint_dir(Path(resume_from).parent.parent, step)
+    files = files_of(directory) if directory.is_dir() else {}
+    return CheckpointInfo(step=step, directory=str(directory), files=files, finished_at=0.0)

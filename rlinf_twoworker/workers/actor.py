@@ -1,0 +1,357 @@
+"""The actor: FSDP2 training of the policy with the GRPO (PPO-clip) loss, and its checkpoints.
+
+Each rank gets its share of every minibatch; gradients are reduced by FSDP2 over the actor
+group. Loss scaling makes the update equal to the configured aggregation over the whole
+minibatch, independent of how rows are split across ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from rlinf_twoworker.algorithm import PolicyLoss, ppo_loss
+from rlinf_twoworker.config import AlgorithmConfig, GRPOConfig
+from rlinf_twoworker.engines.models import (
+    SequenceBatch,
+    compile_layers,
+    dtype_for,
+    load_causal_lm,
+    response_logprobs,
+    run_or_eager,
+)
+from rlinf_twoworker.engines.weight_sync import export_weights, send_weights
+from rlinf_twoworker.messages import ActorShard, TrainStats
+from rlinf_twoworker.workers.base import Worker
+
+
+def micro_batches(cfg: GRPOConfig, rows: int, width: int) -> list[slice]:
+    """Row slices of one rank's minibatch: training_batch_size_per_gpu rows each, or as many
+    rows as fit in runner.max_tokens_per_mbs (at least one) with dynamic batch size."""
+    size = cfg.algorithm.training_batch_size_per_gpu
+    if cfg.runner.enable_dynamic_batch_size:
+        size = max(1, cfg.runner.max_tokens_per_mbs // max(width, 1))
+    return [slice(begin, begin + size) for begin in range(0, rows, size)]
+
+
+def policy_loss_settings(algo: AlgorithmConfig) -> PolicyLoss:
+    return PolicyLoss(
+        clip_low=algo.clip_low,
+        clip_high=algo.clip_high,
+        clip_c=algo.clip_ratio_c,
+        log_ratio_min=algo.clip_log_ratio_min,
+        log_ratio_max=algo.clip_log_ratio_max,
+        entropy_bonus=algo.entropy_bonus,
+        kl_beta=algo.kl_beta,
+        kl_type=algo.kl_penalty_type,
+    )
+
+
+def total_optimizer_steps(cfg: GRPOConfig) -> int:
+    """The run's optimiser steps, for the lr schedule: actor.optim.total_training_steps, or
+    runner.max_steps x n_minibatches."""
+    optim = cfg.actor.optim
+    if optim.total_training_steps is not None:
+        return optim.total_training_steps
+    return cfg.runner.max_steps * cfg.algorithm.n_minibatches
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: GRPOConfig) -> Any:
+    """RLinf's FSDP schedule (actor.optim.lr_scheduler), from transformers: a linear warm-up
+    from 0 over lr_warmup_steps (or lr_warmup_steps_ratio x the total), then constant or a
+    cosine to min_lr / min_lr_rate."""
+    from transformers.optimization import (
+        get_constant_schedule_with_warmup,
+        get_cosine_with_min_lr_schedule_with_warmup,
+    )
+
+    optim = cfg.actor.optim
+    total = total_optimizer_steps(cfg)
+    warmup = optim.lr_warmup_steps
+    if warmup < 0:
+        warmup = int(optim.lr_warmup_steps_ratio * total)
+    if optim.lr_scheduler == "constant":
+        return get_constant_schedule_with_warmup(optimizer, warmup)
+    if optim.min_lr_rate is not None:  # as RLinf: the rate wins over min_lr
+        return get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, warmup, total, num_cycles=optim.num_cycles, min_lr_rate=optim.min_lr_rate
+        )
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, warmup, total, num_cycles=optim.num_cycles, min_lr=optim.min_lr
+    )
+
+
+def prepare_for_training(
+    model: Any,
+    mesh: Any,
+    *,
+    mixed_precision: bool,
+    activation_checkpointing: bool,
+    compiled: bool,
+) -> Any:
+    """Shard `model` with FSDP2 over `mesh`, one unit per decoder layer plus the root.
+
+    mixed_precision: bf16 parameters in forward/backward, fp32 gradient reduction (the master
+    weights keep the loaded dtype). compiled: each decoder layer's forward goes through
+    `torch.compile` (its norms, rotary, SwiGLU and residual adds fuse into few kernels; the
+    GEMMs and attention stay cuBLAS / SDPA); compiled in place, so parameter names, state dicts
+    and checkpoints are those of the eager model. FSDP2's hooks stay outside the compiled code.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model.train()  # from_pretrained returns eval mode, where transformers skips checkpointing
+    if activation_checkpointing:  # transformers >= 5.2x renamed gradient_checkpointing_*
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
+    model.config.use_cache = False
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    compile_layers(model, compiled)
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class ActorWorker(Worker):
+    """One FSDP2 rank of the policy being trained."""
+
+    def __init__(self, cfg: GRPOConfig, rank: int) -> None:
+        super().__init__(cfg, "actor", rank)
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self._exported: list[torch.Tensor] = []
+        self.lr_used = 0.0  # the lr of the latest optimiser step
+        self.compiled = False  # compiled decoder layers and log-softmax (set by `build`)
+
+    def build(self) -> None:
+        """Load, shard and set up the optimiser (after `join`, which makes the actor group)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        cfg = self.cfg
+        dtype = dtype_for(cfg.actor.model.precision, self.device)
+        model = load_causal_lm(cfg.actor.model.model_path, dtype, self.device)
+        self.compiled = self.device.type == "cuda" and cfg.actor.compile
+        model = prepare_for_training(
+            model,
+            DeviceMesh.from_group(self.actor_group, self.device.type),
+            mixed_precision=self.device.type == "cuda" and cfg.actor.mixed_precision,
+            activation_checkpointing=cfg.actor.recompute,
+            compiled=self.compiled,
+        )
+        self.model = model
+        optim = cfg.actor.optim
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=optim.lr,
+            betas=(optim.adam_beta1, optim.adam_beta2),
+            eps=optim.adam_eps,
+            weight_decay=optim.weight_decay,
+            fused=self.device.type == "cuda",
+        )
+        self.scheduler = lr_scheduler(self.optimizer, cfg)
+
+    def _minibatch(self, shard: ActorShard, first: bool) -> dict[str, float]:
+        """One optimiser step on this rank's share of a minibatch. `first`: also measure the
+        largest |actor - inference| log-prob difference (before the step's first update the
+        two hold the same weights)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        sums, maxes = self.accumulate(shard, first)
+        self._sync_device()
+        optimizer_start = time.perf_counter()
+        grad_norm, stepped = self._clip_and_step()
+        keys = sorted(sums)
+        totals = torch.stack([sums[k] for k in keys]).double()
+        dist.all_reduce(totals, group=self.actor_group)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=self.actor_group)
+        self._sync_device()
+        out = {k: float(v) for k, v in zip(keys, totals.tolist())}
+        out.update(
+            optimizer_seconds=time.perf_counter() - optimizer_start,
+            ratio_max=float(maxes[0]),
+            grad_norm=grad_norm,
+            lr=self.lr_used,
+            skipped_steps=0.0 if stepped else 1.0,
+        )
+        if first:
+            out["logprob_diff_max"] = float(maxes[1])
+        return out
+
+    def accumulate(
+        self, shard: ActorShard, first: bool = False
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Add the gradient of sum(weights * per-token loss) over the shard to the parameters'
+        .grad, one compute micro-batch at a time (any cut gives the same gradient). Returns the
+        weighted metric sums and [ratio max, log-prob difference max], on the device."""
+        algo, world = self.cfg.algorithm, dist.get_world_size(self.actor_group)
+        settings = policy_loss_settings(algo)
+        sums: dict[str, torch.Tensor] = {}  # weighted metric sums, kept on the device
+        maxes = torch.zeros(2, device=self.device)
+        for rows in micro_batches(self.cfg, len(shard), shard.batch.input_ids.shape[1]):
+            part = shard.batch.rows(rows).to(self.device)
+            logprobs, entropy = self._logprobs(part)
+            old = shard.old_logprobs[rows].to(self.device)
+            loss, metrics = ppo_loss(
+                logprobs,
+                old,
+                shard.advantages[rows].to(self.device),
+                shard.weights[rows].to(self.device),
+                shard.metric_weights[rows].to(self.device),
+                settings,
+                entropy,
+                None if shard.ref_logprobs is None else shard.ref_logprobs[rows].to(self.device),
+            )
+            (loss * world).backward()  # FSDP averages gradients over the ranks
+            metrics["final_loss"] = loss.detach()
+            metrics["tokens"] = part.response_mask.sum().float()
+            maxes[0] = torch.maximum(maxes[0], metrics.pop("ratio_max"))
+            for key, value in metrics.items():
+                sums[key] = sums[key] + value if key in sums else value
+            if first:
+                diff = ((logprobs.detach() - old).abs() * part.response_mask).max()
+                maxes[1] = torch.maximum(maxes[1], diff)
+        return sums, maxes
+
+    def _logprobs(self, part: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        algo = self.cfg.algorithm
+        out = response_logprobs(
+            self.model,
+            part,
+            self.cfg.runner.trim_padding_multiple,
+            self.compiled,
+            algo.sampling_params.temperature,
+            with_entropy=algo.calculate_entropy,
+        )
+        if not algo.calculate_entropy:
+            return out, None
+        logprobs, entropy = out
+        # The entropy is a metric unless the bonus puts it in the loss (no backward through it).
+        return logprobs, entropy if algo.entropy_bonus > 0 else entropy.detach()
+
+    def _clip_and_step(self) -> tuple[float, bool]:
+        """Clip the gradient and step, unless its norm is not finite: then, as RLinf, the
+        optimiser step is skipped (with a warning). The lr schedule steps either way."""
+        clip = self.cfg.actor.optim.clip_grad
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), clip if clip > 0 else float("inf")
+        )
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        self.lr_used = self.optimizer.param_groups[0]["lr"]
+        stepped = math.isfinite(grad_norm)
+        if stepped:
+            self.optimizer.step()
+        else:
+            warnings.warn(
+                f"actor rank {self.rank}: gradient norm {grad_norm} is not finite; the "
+                "optimiser step is skipped (as RLinf does). Lower actor.optim.lr if it recurs",
+                stacklevel=2,
+            )
+        self.scheduler.step()
+        return grad_norm, stepped
+
+    def _minibatch_or_eager(self, shard: ActorShard, first: bool) -> dict[str, float]:
+        """One minibatch; if torch.compile fails on it, warn, go eager for good and redo it
+        (nothing is lost: the optimiser only steps once the whole minibatch succeeded)."""
+        return run_or_eager(
+            lambda: self._minibatch(shard, first),
+            self.compiled,
+            self.go_eager,
+            f"actor rank {self.rank}: compiled decoder layers / log-softmax kernel",
+            "training eagerly from now on (set actor.compile=false to skip compiling)",
+        )
+
+    def go_eager(self) -> None:
+        """Undo the compiled layers and log-softmax: every later forward runs eagerly."""
+        compile_layers(self.model, False)
+        self.compiled = False
+
+    def train_step(self, shards: list[ActorShard]) -> TrainStats:
+        """One GRPO update: one optimiser step per minibatch shard given to this rank. Means
+        over the minibatches (RLinf logs each minibatch; a step's value is their mean)."""
+        start = time.perf_counter()
+        self.model.train()
+        results = [self._minibatch_or_eager(s, i == 0) for i, s in enumerate(shards)]
+        special = ("ratio_max", "lr", "tokens", "optimizer_seconds", "logprob_diff_max")
+        metrics = {
+            k: sum(r[k] for r in results) / len(results) for k in results[0] if k not in special
+        }
+        metrics.update(
+            ratio_max=max(r["ratio_max"] for r in results),
+            logprob_diff_max=results[0]["logprob_diff_max"],
+            skipped_steps=sum(r["skipped_steps"] for r in results),
+            lr=results[-1]["lr"],
+        )
+        return TrainStats(
+            metrics=metrics,
+            trained_tokens=sum(r["tokens"] for r in results),
+            seconds=time.perf_counter() - start,
+            optimizer_seconds=sum(r["optimizer_seconds"] for r in results),
+        )
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def export_weights(self, sync_dtype: str) -> dict[str, Any]:
+        """Colocated sync: keep the weight buckets on the GPU and hand out CUDA IPC handles
+        (rank 0; other ranks only join the gathers). `release_weights` frees the buckets."""
+        start = time.perf_counter()
+        is_source = dist.get_rank() == self.sync.source
+        self._exported, handles = export_weights(self.model, getattr(torch, sync_dtype), is_source)
+        nbytes = sum(b.numel() * b.element_size() for b in self._exported)
+        return {"handles": handles, "bytes": nbytes, "seconds": time.perf_counter() - start}
+
+    def release_weights(self) -> None:
+        self._exported = []
+
+    def send_weights(self, sync_dtype: str) -> dict[str, float]:
+        start = time.perf_counter()
+        sent = send_weights(self.model, self.sync, getattr(torch, sync_dtype))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return {"bytes": sent, "seconds": time.perf_counter() - start}
+
+    def _state(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        rng = {f"rank_{self.rank}": torch.get_rng_state()}
+        return {
+            "fsdp_checkpoint": {
+                "model": model_sd,
+                "optimizers": optim_sd,
+                "lr_schedulers": self.scheduler.state_dict(),
+                "rng": rng,
+            }
+        }
+
+    def save_checkpoint(self, path: str) -> dict[str, Any]:
+        """Write this rank's DCP shard (a collective of the actor group)."""
+        start = time.perf_counter()
+        Path(path).mkdir(parents=True, exist_ok=True)
+        dcp.save(self._state(), checkpoint_id=path, process_group=self.actor_group)
+        return {"seconds": time.perf_counter() - start}
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore model, optimiser, lr schedule and this rank's RNG from a DCP checkpoint."""
+        state = self._state()
+        dcp.load(state, checkpoint_id=path, process_group=self.actor_group)
+        inner = state["fsdp_checkpoint"]
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=inner["model"],
+            optim_state_dict=inner["optimizers"],
+        )
+        self.scheduler.load_state_dict(inner["lr_schedulers"])
+        torch.set_rng_state(inner["rng"][f"rank_{self.rank}"])

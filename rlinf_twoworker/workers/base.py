@@ -1,0 +1,189 @@
+"""What every component process shares: its identity and its place in the process groups.
+
+The plain component classes (rollout, inference, actor) inherit this; Ray only adds placement
+and remoteness around them (`ray.remote(RolloutWorker).options(...)`), so each class also runs
+in a plain process for tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.engines import weight_sync
+from rlinf_twoworker.engines.models import device_for
+from rlinf_twoworker.engines.weight_sync import SyncGroups, new_sync_groups
+
+
+def node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return "127.0.0.1"
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class _Tee:
+    """A text stream that also writes to a log file (per-worker logs keep what the process
+    prints as well as its log records)."""
+
+    def __init__(self, stream: Any, log: Any) -> None:
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        self.log.flush()
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.log.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def attach_log(path: str, component: str, rank: int) -> None:
+    """runner.per_worker_log: this process's prints, warnings and log records also go to
+    `path` (log/<component>-<rank>.log in the run directory)."""
+    import logging
+    import sys
+
+    log = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (lives with the process)
+    sys.stdout = _Tee(sys.stdout, log)
+    sys.stderr = _Tee(sys.stderr, log)  # warnings print here too
+    handler = logging.StreamHandler(sys.stderr)  # records reach Ray's worker log and the file
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s {component}:{rank} %(levelname)s %(name)s: %(message)s")
+    )
+    library = logging.getLogger("rlinf_twoworker")
+    library.addHandler(handler)
+    library.setLevel(logging.INFO)
+    logging.getLogger("rlinf_twoworker").info(f"{component} rank {rank} logs to {path}")
+
+
+class Worker:
+    """Identity, device and process-group membership of one component process."""
+
+    model: Any
+
+    def __init__(self, cfg: GRPOConfig, component: str, rank: int) -> None:
+        self.cfg, self.component, self.rank = cfg, component, rank
+        self.device = device_for(cfg.cluster.accelerator)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.actor_group: Any = None
+        self._sync: SyncGroups | None = None
+        torch.manual_seed(cfg.actor.seed + rank)
+
+    @property
+    def sync(self) -> SyncGroups:
+        """The weight-sync groups, made by `join`."""
+        if self._sync is None:
+            raise RuntimeError(
+                f"{self.component} rank {self.rank}: weight sync before join(); the run's "
+                "process groups are made first (a library bug if it reaches a user)"
+            )
+        return self._sync
+
+    def where(self) -> dict[str, Any]:
+        """Component, rank, node and GPUs of this process (for topology and error messages)."""
+        info: dict[str, Any] = {
+            "component": self.component,
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "ip": node_ip(),
+            "pid": os.getpid(),
+        }
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ctx = ray.get_runtime_context()
+                info["node_id"] = ctx.get_node_id()
+                info["gpu_ids"] = [str(g) for g in ray.get_gpu_ids()]
+        except Exception:
+            pass
+        return info
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        ip = node_ip()
+        return ip, free_port(ip)
+
+    def join(
+        self,
+        master: tuple[str, int],
+        world_rank: int,
+        world_size: int,
+        actor_ranks: list[int],
+        consumer_ranks: list[int],
+        shared_gpu: tuple[bool, bool] = (False, False),
+    ) -> None:
+        """Join the run's world process group and create the sub-groups (same order everywhere)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        timeout = datetime.timedelta(seconds=self.cfg.runner.timeouts.collective_s)
+        if master[0].startswith("127."):
+            # Keep collectives on loopback when the whole cluster lives on one host.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        # One default group with a backend per device: NCCL for GPU tensors, gloo for CPU ones.
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl" if self.backend == "nccl" else "gloo",
+            init_method=f"tcp://{master[0]}:{master[1]}",
+            rank=world_rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+        self.actor_group = dist.new_group(actor_ranks)
+        shared = (bool(shared_gpu[0]), bool(shared_gpu[1]))
+        self._sync = new_sync_groups(actor_ranks, consumer_ranks, shared)
+
+    def leave(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def ping(self) -> bool:
+        return True
+
+    def attach_log(self, path: str) -> None:
+        attach_log(path, self.component, self.rank)
+
+    def weights_dtype(self) -> str:
+        """The dtype of this process's copy of the weights (for the weight check)."""
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    def weights_digest(self, sync_dtype: str) -> str:
+        """SHA-256 of the full parameters in the sync dtype (a collective on the actor's ranks)."""
+        return weight_sync.weights_digest(self.model, getattr(torch, sync_dtype))
+
+
+class PolicyCopy(Worker):
+    """A component holding a copy of the policy (rollout, inference): it receives weights."""
+
+    def receive_weights(self, sync_dtype: str) -> dict[str, float]:
+        """Take part in the collective weight sync (actor ranks send)."""
+        start = time.perf_counter()
+        got = weight_sync.receive_weights(self.model, self.sync, getattr(torch, sync_dtype))
+        return {"bytes": got, "seconds": time.perf_counter() - start}
+
+    def import_weights(self, handles: list, sync_dtype: str) -> dict[str, float]:
+        """Colocated sync: copy the actor's exported buckets through CUDA IPC."""
+        start = time.perf_counter()
+        got = weight_sync.import_weights(self.model, handles, getattr(torch, sync_dtype))
+        return {"bytes": got, "seconds": time.perf_counter() - start}

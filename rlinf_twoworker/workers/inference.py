@@ -1,0 +1,73 @@
+"""Inference: recompute the log-probabilities of every answer token under the current policy.
+
+Runs with the weights the actor has before its update (the sync happens after each update), so
+these are the "old" log-probabilities of the PPO ratio; logits are divided by the sampling
+temperature, as in the actor (and in RLinf).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.engines.models import (
+    SequenceBatch,
+    compile_layers,
+    dtype_for,
+    load_causal_lm,
+    response_logprobs,
+    run_or_eager,
+)
+from rlinf_twoworker.messages import LogProbs
+from rlinf_twoworker.workers.base import PolicyCopy
+
+
+class InferenceWorker(PolicyCopy):
+    """A forward-only copy of the policy."""
+
+    def __init__(
+        self,
+        cfg: GRPOConfig,
+        rank: int = 0,
+        component: str = "inference",
+        model_path: str | None = None,
+    ) -> None:
+        super().__init__(cfg, component, rank)
+        self.dtype = dtype_for(cfg.inference.model.precision, self.device)
+        path = model_path or cfg.inference.model.model_path
+        self.model = load_causal_lm(path, self.dtype, self.device).eval()
+        # The actor's kernels: its decoder layers and log-softmax are compiled on GPUs (with
+        # actor.compile), so by default the old log-probs are computed the same way as the new
+        # ones and the first minibatch's ratio is 1 up to rounding.
+        wanted = cfg.actor.compile if cfg.inference.compile is None else cfg.inference.compile
+        self.fused = self.device.type == "cuda" and wanted
+        compile_layers(self.model, self.fused)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: SequenceBatch) -> LogProbs:
+        start = time.perf_counter()
+        logprobs = run_or_eager(
+            lambda: self._logprobs(batch),
+            self.fused,
+            self._go_eager,
+            f"{self.component} rank {self.rank}: the compiled decoder layers / log-softmax kernel",
+            "computing it eagerly from now on",
+        )
+        return LogProbs(logprobs, time.perf_counter() - start)
+
+    def _go_eager(self) -> None:
+        compile_layers(self.model, False)
+        self.fused = False
+
+    def _logprobs(self, batch: SequenceBatch) -> torch.Tensor:
+        micro = self.cfg.algorithm.logprob_forward_micro_batch_size
+        trim = self.cfg.runner.trim_padding_multiple
+        parts = []
+        for begin in range(0, len(batch), micro):
+            rows = batch.rows(slice(begin, begin + micro)).to(self.device)
+            temperature = self.cfg.algorithm.sampling_params.temperature
+            logprobs = response_logprobs(self.model, rows, trim, self.fused, temperature)
+            parts.append(logprobs.cpu())
+        return torch.cat(parts) * batch.response_mask

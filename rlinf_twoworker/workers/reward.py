@@ -1,0 +1,302 @@
+"""Math reward: +scale when math_verify finds the answer equal to a gold solution, else -scale.
+
+Grading runs in a few spawned worker processes, one answer per worker at a time, for one reason:
+a hard per-answer timeout. math_verify's own timeouts use signal.alarm, which works only in a
+process's main thread, and a Ray actor method (or `asyncio.to_thread`) is not one. A worker that
+runs past `timeout_s` is killed, its answer scored wrong, and a fresh worker takes its place, so a
+pathological expression cannot stall later steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import pickle
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any
+
+from math_verify import parse, verify
+
+from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.errors import TwoWorkerError
+
+if TYPE_CHECKING:
+    from rlinf_twoworker.messages import Graded
+
+Grader = Callable[[str, Sequence[str]], bool]
+_STARTUP_TIMEOUT_S = 120.0
+"""A worker must import math_verify (and answer 'ready') within this time."""
+
+
+class RewardError(TwoWorkerError):
+    """The reward's grading workers could not be started."""
+
+
+def grade_one(answer: str, solutions: Sequence[str]) -> bool:
+    """True when math_verify finds `answer` equal to any of `solutions`.
+
+    math_verify's signal-based timeouts are turned off (they fail outside a main thread); the
+    caller bounds the time, as MathReward does with its worker processes.
+    """
+    predicted = parse(answer, parsing_timeout=None)
+    if not predicted:
+        return False
+    for solution in solutions:
+        gold = parse(solution, parsing_timeout=None)
+        if gold and verify(gold, predicted, timeout_seconds=None):
+            return True
+    return False
+
+
+class _DropTimeoutNotice(logging.Filter):
+    """math_verify warns once per process that its timeout is off; here that is by design."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+def _worker_main(conn: Connection, grader: Grader) -> None:
+    """Loop of a grading process: receive (answer, solutions), send (correct, error or None)."""
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_DropTimeoutNotice())
+    conn.send("ready")
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        if task is None:
+            return
+        try:
+            conn.send((bool(grader(*task)), None))
+        except Exception as exc:  # a grader bug must not kill the worker
+            conn.send((False, f"{type(exc).__name__}: {exc}"))
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: Connection
+    ready: bool = False
+    started: float = field(default_factory=time.monotonic)
+    task: int | None = None
+    """Index of the answer being graded; None when idle."""
+
+    def stop(self, kill: bool) -> None:
+        if kill or not self.ready:
+            self.process.kill()
+        else:
+            try:
+                self.conn.send(None)
+            except OSError:
+                self.process.kill()
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        self.conn.close()
+
+
+class MathReward:
+    """Scores answers against gold solutions with math_verify under a hard per-answer timeout.
+
+    `grader` replaces grade_one (it must be picklable: a module-level function), which tests use
+    to make an answer hang. `last_stats` describes the latest score() call: correct + wrong is the
+    number of answers; timed_out and errors (grader exceptions, dead workers) are counted among
+    the wrong ones; seconds is the call's wall time. Thread-safe: calls are serialised.
+    """
+
+    def __init__(
+        self,
+        reward_scale: float = 5.0,
+        timeout_s: float = 10.0,
+        num_workers: int | None = None,
+        grader: Grader = grade_one,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"reward.timeout_s={timeout_s} must be > 0")
+        try:
+            pickle.dumps(grader)
+        except Exception as exc:
+            raise ValueError(
+                f"grader {grader!r} must be picklable (a module-level function): {exc}"
+            ) from exc
+        self.reward_scale, self.timeout_s, self.grader = reward_scale, timeout_s, grader
+        self.num_workers = num_workers or min(4, os.cpu_count() or 1)
+        self.last_stats: dict[str, float] = {}
+        self._workers: list[_Worker] = []
+        self._ctx = multiprocessing.get_context("spawn")
+        self._lock = threading.Lock()
+
+    def score(self, answers: Sequence[str], solutions: Sequence[Sequence[str]]) -> list[float]:
+        """+reward_scale for each answer that matches one of its solutions, else -reward_scale."""
+        if len(answers) != len(solutions):
+            raise ValueError(f"{len(answers)} answers but {len(solutions)} solution lists")
+        with self._lock:
+            start = time.monotonic()
+            correct, timed_out, errors = self._grade_all(list(zip(answers, solutions, strict=True)))
+        self.last_stats = {
+            "correct": sum(correct),
+            "wrong": len(correct) - sum(correct),
+            "timed_out": timed_out,
+            "errors": errors,
+            "seconds": time.monotonic() - start,
+        }
+        return [self.reward_scale if ok else -self.reward_scale for ok in correct]
+
+    async def score_async(
+        self, answers: Sequence[str], solutions: Sequence[Sequence[str]]
+    ) -> list[float]:
+        """score() in a thread, so an async actor's event loop keeps serving other calls."""
+        return await asyncio.to_thread(self.score, answers, solutions)
+
+    def close(self) -> None:
+        """Stop the grading processes (score() starts new ones if called again)."""
+        with self._lock:
+            for worker in self._workers:
+                worker.stop(kill=worker.task is not None)
+            self._workers.clear()
+
+    def __enter__(self) -> MathReward:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the worker pool ------------------------------------------------------------------------
+
+    def _grade_all(self, tasks: list[tuple[str, Sequence[str]]]) -> tuple[list[bool], int, int]:
+        """Grade every task; returns (correct per task, timed-out count, error count)."""
+        correct = [False] * len(tasks)
+        pending = deque(range(len(tasks)))
+        counts = {"timed_out": 0, "errors": 0}
+        try:
+            while pending or any(w.task is not None for w in self._workers):
+                self._top_up(len(pending))
+                self._dispatch(pending, tasks)
+                self._collect(correct, counts)
+                self._reap_overdue(counts)
+        except BaseException:
+            # A busy worker's late result would be credited to the next call's answer.
+            for worker in [w for w in self._workers if w.task is not None]:
+                self._drop(worker, kill=True)
+            raise
+        return correct, counts["timed_out"], counts["errors"]
+
+    def _top_up(self, backlog: int) -> None:
+        """Start workers (lazily, and to replace killed ones) up to num_workers."""
+        wanted = min(self.num_workers, backlog + sum(w.task is not None for w in self._workers))
+        while len(self._workers) < wanted:
+            parent, child = self._ctx.Pipe()
+            process = self._ctx.Process(
+                target=_worker_main, args=(child, self.grader), daemon=True, name="math-grader"
+            )
+            process.start()
+            child.close()
+            self._workers.append(_Worker(process, parent))
+
+    def _dispatch(self, pending: deque[int], tasks: list[tuple[str, Sequence[str]]]) -> None:
+        for worker in self._workers:
+            if pending and worker.ready and worker.task is None:
+                worker.task = pending.popleft()
+                worker.started = time.monotonic()
+                answer, solutions = tasks[worker.task]
+                worker.conn.send((answer, list(solutions)))
+
+    def _collect(self, correct: list[bool], counts: dict[str, int]) -> None:
+        """Wait (at most until the nearest deadline) for results and ready signals."""
+        waiting = [w for w in self._workers if w.task is not None or not w.ready]
+        if not waiting:
+            return
+        now = time.monotonic()
+        timeout = max(0.0, min(self._deadline(w) for w in waiting) - now)
+        by_conn: dict[Any, _Worker] = {w.conn: w for w in waiting}
+        for conn in wait(list(by_conn), timeout=timeout):
+            worker = by_conn[conn]
+            try:
+                message = worker.conn.recv()
+            except (EOFError, OSError):
+                self._on_dead(worker, counts)
+                continue
+            if message == "ready":
+                worker.ready = True
+            elif worker.task is not None:
+                ok, error = message
+                correct[worker.task] = ok
+                counts["errors"] += error is not None
+                worker.task = None
+
+    def _on_dead(self, worker: _Worker, counts: dict[str, int]) -> None:
+        self._drop(worker, kill=True)
+        if not worker.ready:
+            raise RewardError(
+                f"a math grading process exited while starting (exit code "
+                f"{worker.process.exitcode}); the grader must be importable in a fresh Python "
+                "process, and math_verify installed on this node"
+            )
+        counts["errors"] += 1  # its answer stays scored wrong
+
+    def _reap_overdue(self, counts: dict[str, int]) -> None:
+        now = time.monotonic()
+        for worker in list(self._workers):
+            if now < self._deadline(worker) or (worker.ready and worker.task is None):
+                continue
+            self._drop(worker, kill=True)
+            if not worker.ready:
+                raise RewardError(
+                    f"a math grading process did not start within {_STARTUP_TIMEOUT_S:.0f} s; "
+                    "the node may be overloaded"
+                )
+            counts["timed_out"] += 1
+
+    def _deadline(self, worker: _Worker) -> float:
+        limit = self.timeout_s if worker.ready else _STARTUP_TIMEOUT_S
+        return worker.started + limit
+
+    def _drop(self, worker: _Worker, kill: bool) -> None:
+        self._workers.remove(worker)
+        worker.stop(kill=kill)
+
+
+class RewardWorker:
+    """Math grading as a component; grading runs off the actor's event loop."""
+
+    def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
+        self.grader = MathReward(cfg.reward.reward_scale, cfg.reward.timeout_s)
+        self.rank = rank
+
+    async def score(self, answers: list[str], solutions: list[list[str]]) -> Graded:
+        from rlinf_twoworker.messages import Graded
+
+        scores = await self.grader.score_async(answers, solutions)
+        return Graded(scores, dict(self.grader.last_stats))
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "component": "reward",
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "node_id": ctx.get_node_id(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        }
+
+    def ping(self) -> bool:
+        return True
+
+    def attach_log(self, path: str) -> None:
+        from rlinf_twoworker.workers.base import attach_log
+
+        attach_log(path, "reward", self.rank)

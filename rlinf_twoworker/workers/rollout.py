@@ -1,0 +1,149 @@
+"""Rollout: sample `group_size` answers per prompt with the current policy.
+
+Two engines (`rollout.engine`): the library's static-cache sampler (engines/static.py: preallocated KV
+cache, CUDA-graph decode; the default for Qwen2/Llama/Mistral models) and transformers'
+batched, KV-cached `generate`. Prompts are left-padded so every answer starts at one column.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.engines.models import SequenceBatch, dtype_for, load_causal_lm, load_tokenizer
+from rlinf_twoworker.engines.static import SamplingSettings, StaticSampler, unsupported_reason
+from rlinf_twoworker.errors import TwoWorkerError
+from rlinf_twoworker.messages import Rollout
+from rlinf_twoworker.workers.base import PolicyCopy
+
+logger = logging.getLogger(__name__)
+
+
+def left_pad(
+    prompts: list[list[int]], pad_id: int, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(width or 0, max(len(p) for p in prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def response_mask(responses: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """1 for every token up to and including the first EOS of each row."""
+    is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device))
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+    return (~after_eos).long()
+
+
+class RolloutWorker(PolicyCopy):
+    """Holds a copy of the policy and generates answers for a batch of prompts."""
+
+    def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
+        super().__init__(cfg, "rollout", rank)
+        self.tokenizer = load_tokenizer(cfg.tokenizer_path)
+        self.dtype = dtype_for(cfg.rollout.model.precision, self.device)
+        self.model = load_causal_lm(cfg.rollout.model.model_path, self.dtype, self.device).eval()
+        eos = self.tokenizer.eos_token_id
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        eos_ids = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        self.eos_ids = sorted({i for i in [eos, *eos_ids] if i is not None})
+        self.static = self._use_static_sampler()
+        self.samplers: dict[tuple[int, int], StaticSampler] = {}
+
+    def _use_static_sampler(self) -> bool:
+        """rollout.engine: 'static' when the static sampler can run this model over a whole
+        sequence (raises otherwise), 'auto' falls back to hf with a warning, 'hf' never."""
+        engine = self.cfg.rollout.engine
+        if engine == "hf":
+            return False
+        # Prompts are cut to max_prompt_length, so every sampler is built for this length.
+        max_len = self.cfg.data.max_prompt_length + self.cfg.max_new_tokens
+        reason = unsupported_reason(self.model, max_len)
+        if reason is None:
+            return True
+        where = f"rollout rank {self.rank}, model {self.cfg.rollout.model.model_path}"
+        if engine == "static":
+            raise TwoWorkerError(
+                f"rollout.engine=static ({where}): {reason}; use rollout.engine=hf"
+            )
+        logger.warning(
+            "rollout.engine=auto uses hf, transformers' generate (%s): %s", where, reason
+        )
+        return False
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        """The sampling settings for either engine, every one passed explicitly: generate()
+        would otherwise take it from the model's generation_config (Qwen2.5-Instruct's sets
+        repetition_penalty=1.05, which the static engine would not apply)."""
+        params = self.cfg.algorithm.sampling_params
+        vocab = self.model.config.vocab_size
+        top_k = params.top_k if 0 < params.top_k < vocab else None
+        return {
+            "do_sample": params.do_sample,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": top_k,
+            "repetition_penalty": params.repetition_penalty,
+            "max_new_tokens": self.cfg.max_new_tokens,
+        }
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], seed: int) -> Rollout:
+        """Answers for each prompt, `group_size` rows per prompt, contiguous per group."""
+        start = time.perf_counter()
+        group = self.cfg.algorithm.group_size
+        rows = [p for p in prompts for _ in range(group)]
+        pad_id = self.tokenizer.pad_token_id
+        # A fixed prompt width keeps the static sampler's shapes (and its CUDA graph) constant.
+        width = self.cfg.data.max_prompt_length if self.static else None
+        ids, mask = left_pad(rows, pad_id, width)
+        torch.manual_seed(seed)
+        outputs = []
+        chunk = self.cfg.rollout.max_batch_size
+        for begin in range(0, len(rows), chunk):
+            part = slice(begin, begin + chunk)
+            outputs.append(self._generate_chunk(ids[part], mask[part], pad_id))
+        longest = max(o.shape[1] for o in outputs)
+        responses = torch.cat(
+            [torch.nn.functional.pad(o, (0, longest - o.shape[1]), value=pad_id) for o in outputs]
+        )
+        resp_mask = response_mask(responses, self.eos_ids)
+        texts = self.tokenizer.batch_decode(
+            [r[m.bool()].tolist() for r, m in zip(responses, resp_mask)], skip_special_tokens=True
+        )
+        batch = SequenceBatch(
+            torch.cat([ids, responses], 1), torch.cat([mask, resp_mask], 1), resp_mask, ids.shape[1]
+        )
+        return Rollout(
+            batch=batch,
+            texts=texts,
+            generated_tokens=int(resp_mask.sum()),
+            seconds=time.perf_counter() - start,
+        )
+
+    def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, pad_id: int) -> torch.Tensor:
+        kwargs = self._sampling_kwargs()
+        max_new = kwargs.pop("max_new_tokens")
+        if self.static:
+            shape = (ids.shape[0], ids.shape[1] + max_new)
+            if shape not in self.samplers:
+                self.samplers[shape] = StaticSampler(self.model, *shape)
+            return self.samplers[shape].generate(
+                ids, mask, max_new, self.eos_ids, pad_id, SamplingSettings(**kwargs)
+            )
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            eos_token_id=self.eos_ids,
+            pad_token_id=pad_id,
+            max_new_tokens=max_new,
+            **kwargs,
+        )
+        return out[:, ids.shape[1] :].cpu()
