@@ -381,7 +381,7 @@ def test_the_library_runs_no_shell_command_built_from_input():
     """Every subprocess call passes an argv list, never shell=True; no os.system or popen."""
     package = Path(rlinf_twoworker.__file__).parent
     calls = []
-    for path in sorted(package.glob("*.py")):
+    for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.Call):
                 continue
