@@ -199,7 +199,7 @@ def run_grpo_two_worker(
     here, once; the handle and the controller take it as it is."""
     cfg = OmegaConf.structured(cfg) if isinstance(cfg, GRPOConfig) else cfg.copy()
     typed = to_typed(cfg)
-    config_notes(cfg)  # a refused RLinf value fails here, before anything is created
+    config_notes(cfg, typed)  # a refused RLinf value fails here, before anything is created
     output_root = Path(typed.runner.output_dir).resolve()
     cfg.runner.output_dir = str(output_root)
     typed.runner.output_dir = str(output_root)

@@ -33,16 +33,15 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         cfg = merge_file(cfg, Path(path), given)
     for text in overrides:
         apply_override(cfg, text, given)
-    to_typed(cfg)  # runs every __post_init__ rule
-    config_notes(cfg)  # raises on a refused RLinf key
+    config_notes(cfg, to_typed(cfg))  # every __post_init__ rule, then RLinf's key rules
     return cfg
 
 
-def config_notes(cfg: DictConfig) -> list[str]:
+def config_notes(cfg: DictConfig, typed: GRPOConfig | None = None) -> list[str]:
     """How the RLinf keys without a setting of their own were taken (config.rlinf.RULES): raises
     ConfigError for a refused value; returns one note per accepted non-default value, for the
-    run's log."""
-    typed = to_typed(cfg)
+    run's log. `typed`: the config's dataclasses when the caller has them already."""
+    typed = to_typed(cfg) if typed is None else typed
     notes = check_rules(cfg, OmegaConf.structured(GRPOConfig))
     if typed.hydra.output_subdir is None:
         notes.append(

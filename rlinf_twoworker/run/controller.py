@@ -209,7 +209,7 @@ class RunController:
         failure: tuple[BaseException, str] | None = None
         try:
             self.state = "running"
-            for note in config_notes(self.raw_cfg):
+            for note in config_notes(self.raw_cfg, self.cfg):
                 self.log.info(f"CONFIG_NOTE {note}")
             await self._setup()
             await self._train()
