@@ -11,6 +11,9 @@ Sections (each a median of several timed runs after warm-up, CUDA-synchronised):
   grpo_step_2gpu  the same on two one-GPU Ray nodes (actor + inference | rollout + reward)
   grpo_step_trim  grpo_step with runner.trim_padding_multiple=128 (not in the default list)
   trl        TRL's GRPOTrainer on the same model, prompts and lengths (bench_trl.py, own process)
+  startup    time to result: the tutorial's 2-step job with the library's defaults, on a cold
+             and then a warm shared compile cache, each on a fresh local compile cache; start-up
+             phases, call to step 1, call to verification.json (not in the default list)
 The model is the DeepSeek-R1-Distill-Qwen-1.5B shape (Qwen2, random weights) saved to a local
 directory, so the library's real loading code runs. Timing lives here, never in tests.
 """
@@ -440,6 +443,113 @@ def bench_grpo_step(
     }
 
 
+TARGETS = {  # issue "time to result", one H200, the 1.5B shape
+    "call_to_step1_cold_s": 60.0,
+    "call_to_step1_warm_s": 25.0,
+    "job_to_verification_warm_s": 35.0,
+    "later_step_defaults_s": 3.0,
+}
+
+
+def _tutorial_job(model_dir: Path, root: Path, run_id: str, cache: Path, inductor: Path) -> dict:
+    """The tutorial's job as a user runs it: the library's defaults, 2 steps, a checkpoint at
+    step 2, colocated on this GPU; `inductor` is this "node"'s local compile cache (fresh: a new
+    node), `cache` the shared one on storage."""
+    import ray
+
+    from rlinf_twoworker.api.demo import make_inputs
+    from rlinf_twoworker.api.handle import run_grpo_two_worker
+    from rlinf_twoworker.cluster.local import LocalCluster
+    from rlinf_twoworker.config import load_config
+
+    for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+        os.environ[var] = str(inductor / sub)  # inherited by the cluster's workers
+    data = make_inputs(root / "inputs").data_path
+    model = str(model_dir)
+    nodes, gpus, placement = TOPOLOGIES["colocated"]
+    cfg = load_config(
+        overrides=[
+            f"cluster.num_nodes={nodes}",
+            f"cluster.num_gpus_per_node={gpus}",
+            f"cluster.component_placement={placement}",
+            f"actor.model.model_path={model}",
+            f"rollout.model.model_path={model}",
+            f"inference.model.model_path={model}",
+            f"data.train_data_paths=[{data}]",
+            f"runner.output_dir={root / 'runs'}",
+            f"runner.experiment_name={run_id}",
+            f"runner.compile_cache_dir={cache}",
+        ]
+    )
+    with LocalCluster(num_nodes=nodes, gpus_per_node=gpus):
+        called = time.perf_counter()
+        handle = run_grpo_two_worker(cfg)
+        first = ray.get(handle.step(1), timeout=900)
+        to_step1 = time.perf_counter() - called
+        second = ray.get(handle.step(2), timeout=900)
+        report = handle.result(timeout=900)
+        to_verification = time.perf_counter() - called
+    main_log = (root / "runs" / run_id / "log" / "main.log").read_text()
+    return {
+        "call_to_step1_s": to_step1,
+        "job_to_verification_s": to_verification,
+        "startup_phases_s": first.startup,
+        "step1_stages_s": first.timings,
+        "step2_s": second.timings["time/step"],
+        # On-policy check at the 1.5B shape: actor vs inference log-probs, first minibatch.
+        "logprob_diff_max": [
+            r.metrics.get("actor/training/actor/logprob_diff_max") for r in (first, second)
+        ],
+        "verification_passed": report.passed,
+        "verification_errors": report.errors[:5],
+        "compile_cache_lines": [
+            line.split("COMPILE_CACHE", 1)[1].strip()
+            for line in main_log.splitlines()
+            if "COMPILE_CACHE" in line
+        ],
+    }
+
+
+def bench_startup(model_dir: Path, root: Path) -> dict:
+    """Time to result: the tutorial's job twice on fresh local compile caches, first with an
+    empty shared compile cache (cold), then with the one the first run filled (warm)."""
+    stamp = int(time.time())
+    cache = root / f"compile-cache-{stamp}"
+    cold = _tutorial_job(model_dir, root, f"startup-cold-{stamp}", cache, root / f"node-a-{stamp}")
+    warm = _tutorial_job(model_dir, root, f"startup-warm-{stamp}", cache, root / f"node-b-{stamp}")
+    return {"cold": cold, "warm": warm, "targets": TARGETS}
+
+
+def time_to_result_table(results: dict) -> str:
+    """One table: this run against the targets and TRL (when its section ran)."""
+    startup = results.get("startup", {})
+    cold, warm = startup.get("cold", {}), startup.get("warm", {})
+    trl = results.get("trl", {})
+    rows = [
+        ("call to step 1, cold cache", cold.get("call_to_step1_s"), "call_to_step1_cold_s"),
+        ("call to step 1, warm cache", warm.get("call_to_step1_s"), "call_to_step1_warm_s"),
+        (
+            "2-step job to verification, warm",
+            warm.get("job_to_verification_s"),
+            "job_to_verification_warm_s",
+        ),
+        ("later step, defaults", warm.get("step2_s"), "later_step_defaults_s"),
+    ]
+    lines = ["| measured | this run (s) | target (s) | TRL (s) |", "|---|---|---|---|"]
+    trl_first = trl.get("first_step_s")
+    trl_cells = {
+        "call_to_step1_cold_s": trl_first,
+        "later_step_defaults_s": trl.get("median_step_s"),
+    }
+    for label, value, key in rows:
+        shown = "-" if value is None else f"{value:.1f}"
+        other = trl_cells.get(key)
+        lines.append(
+            f"| {label} | {shown} | <= {TARGETS[key]:g} | {'-' if other is None else f'{other:.1f}'} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench_results.json")
@@ -472,6 +582,7 @@ def main() -> None:
             model_dir, root, 3, extra=("runner.trim_padding_multiple=128",)
         ),
         "trl": lambda: bench_trl(model_dir, root),
+        "startup": lambda: bench_startup(model_dir, root),
     }
     for name in args.sections.split(","):
         start = time.perf_counter()
@@ -488,6 +599,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results, indent=2, default=str))
         print(f"[{name}] {json.dumps(results[name], default=str)[:1500]}", flush=True)
     print(json.dumps(results, indent=2, default=str))
+    if "startup" in results:
+        print(time_to_result_table(results))
 
 
 if __name__ == "__main__":

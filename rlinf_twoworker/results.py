@@ -15,6 +15,8 @@ class StepResult:
     timings: dict[str, float]
     finished_at: float = 0.0
     """time.time() when the step completed."""
+    startup: dict[str, float] = field(default_factory=dict)
+    """The run's start-up phases in seconds (run/startup.py), on the run's first step only."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

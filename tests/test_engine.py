@@ -156,9 +156,21 @@ def test_cancel_makes_pending_futures_raise_and_frees_the_cluster(cluster_2x2, i
     if early["phase"] != "loading components":  # components not started: topology says so
         with pytest.raises(TwoWorkerError, match="has no components yet"):
             handle.topology()
-    ray.get(handle.step(1), timeout=TIMEOUT)
+    first = ray.get(handle.step(1), timeout=TIMEOUT)
     status = handle.status()
     assert status["steps_done"] >= 1 and status["metrics_step"] == status["steps_done"]
+    # The start-up, phase by phase: in the first step's result, status() and log/main.log.
+    phases = {"connect", "placement", "preflight", "data", "components", "process_groups"}
+    phases |= {"actor_build", "weight_sync", "ready", "first_step", "to_first_step"}
+    phases |= {f"load/{c}:{r}" for c, r in [("rollout", 0), ("inference", 0), ("actor", 1)]}
+    assert phases <= set(first.startup), first.startup
+    assert all(seconds >= 0 for seconds in first.startup.values())
+    assert first.startup["to_first_step"] >= first.startup["ready"] >= first.startup["components"]
+    assert phases <= set(status["startup"])
+    assert ray.get(handle.step(2), timeout=TIMEOUT).startup == {}  # the first step's only
+    log = (tmp_path / "cancelled" / "log" / "main.log").read_text()
+    for phase in phases:
+        assert f"STARTUP {phase} " in log, phase
     assert "rollout/reward_scores" in status["metrics"]
     assert "run_id='cancelled'" in repr(handle) and "steps_done=" in repr(handle)
     pending = handle.step(50)

@@ -197,6 +197,7 @@ def run_grpo_two_worker(
     `overrides` are recorded in hydra/.hydra/overrides.yaml. `component_classes` replaces a
     component's class (tests inject failing ones). The config becomes the typed GRPOConfig
     here, once; the handle and the controller take it as it is."""
+    called_at = time.time()
     cfg = OmegaConf.structured(cfg) if isinstance(cfg, GRPOConfig) else cfg.copy()
     typed = to_typed(cfg)
     config_notes(cfg, typed)  # a refused RLinf value fails here, before anything is created
@@ -222,7 +223,7 @@ def run_grpo_two_worker(
             max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
         )
-        .remote(cfg, typed, str(run_dir), component_classes)
+        .remote(cfg, typed, str(run_dir), component_classes, called_at)
     )
     try:
         ray.get(controller.start.remote(), timeout=typed.runner.timeouts.actor_start_s)

@@ -180,6 +180,11 @@ class RunnerConfig:
     meets several widths), hence off by default."""
     resume_dir: str | None = None
     """'auto' or a run directory to continue from its last complete checkpoint."""
+    compile_cache_dir: str | None = "auto"
+    """Where compiled kernels are kept for the next run of the same model shape, software and
+    GPU (engines/compile_cache.py): 'auto' is <output_dir>/.compile-cache (shared storage, so
+    every node and every later run finds it), a path puts it there, null turns it off. Only
+    matters where something is compiled (GPUs with actor.compile)."""
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:
@@ -768,6 +773,16 @@ class GRPOConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.runner.output_dir) / self.runner.experiment_name
+
+    @property
+    def compile_cache_root(self) -> Path | None:
+        """runner.compile_cache_dir resolved: None when off."""
+        configured = self.runner.compile_cache_dir
+        if not configured:
+            return None
+        if configured == "auto":
+            return Path(self.runner.output_dir) / ".compile-cache"
+        return Path(configured)
 
     @property
     def log_dir(self) -> Path:

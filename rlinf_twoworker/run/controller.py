@@ -31,6 +31,7 @@ from rlinf_twoworker.results import CheckpointInfo, StepResult
 from rlinf_twoworker.run import checkpointing
 from rlinf_twoworker.run.group import ComponentGroup
 from rlinf_twoworker.run.liveness import Watch, liveness_error, root_cause
+from rlinf_twoworker.run.startup import StartupClock
 from rlinf_twoworker.run.step import run_step, sync_weights, validate
 from rlinf_twoworker.storage import checkpoints as ckpt
 from rlinf_twoworker.storage.data import (
@@ -75,8 +76,15 @@ def fresh_error(root: BaseException) -> BaseException:
 
 class RunController:
     def __init__(
-        self, cfg: DictConfig, typed: GRPOConfig, run_dir: str, classes: dict | None = None
+        self,
+        cfg: DictConfig,
+        typed: GRPOConfig,
+        run_dir: str,
+        classes: dict | None = None,
+        called_at: float | None = None,
     ) -> None:
+        """`called_at`: time.time() when run_grpo_two_worker was called (start-up is timed
+        from there)."""
         self.raw_cfg = cfg  # as given: what the config notes and the placement record read
         self.cfg = typed
         self.run_dir = Path(run_dir)
@@ -105,9 +113,12 @@ class RunController:
         self.last: dict[str, float] = {}
         self.last_step = 0  # the step `last` belongs to
         self.started_at = time.time()
+        self.components_ready = False  # every component answered (topology is known)
+        self.clock = StartupClock(self.log.info, called_at)
 
     # ---- the handle's view -------------------------------------------------------------
     async def start(self) -> bool:
+        self.clock.since_call("connect")
         self.task = asyncio.get_running_loop().create_task(self._run())
         return True
 
@@ -169,7 +180,7 @@ class RunController:
         return await self._await(self.placement_f)
 
     def topology(self) -> list[dict[str, Any]]:
-        if self.group is None or not self.group.all():
+        if self.group is None or not self.components_ready:
             raise TwoWorkerError(
                 f"run {self.run_id} has no components yet (phase: {self.phase}); they start "
                 "after the placement and the preflight: ray.get(handle.preflight) first"
@@ -191,6 +202,7 @@ class RunController:
             "metrics": dict(self.last),
             "error": None if self.error is None else str(self.error),
             "elapsed_s": time.time() - self.started_at,
+            "startup": dict(self.clock.seconds),
             "controller_pid": os.getpid(),
         }
 
@@ -241,31 +253,38 @@ class RunController:
         from rlinf_twoworker.cluster.preflight import preflight
         from rlinf_twoworker.cluster.probe import NodeProbe
 
-        cfg, timeouts = self.cfg, self.cfg.runner.timeouts
+        cfg, timeouts, clock = self.cfg, self.cfg.runner.timeouts, self.clock
         placement = cfg.placement
         name = f"{self.run_id}:pg"
         self.phase = "placement"
-        self.pg = request_placement_group(cfg.cluster, name)  # set first: release finds it
-        try:
-            await asyncio.wait_for(self.pg.ready(), timeouts.placement_s)
-        except asyncio.TimeoutError:
-            raise placement_timeout_error(cfg.cluster, name, timeouts.placement_s) from None
+        with clock.phase("placement"):
+            self.pg = request_placement_group(cfg.cluster, name)  # set first: release finds it
+            try:
+                await asyncio.wait_for(self.pg.ready(), timeouts.placement_s)
+            except asyncio.TimeoutError:
+                raise placement_timeout_error(cfg.cluster, name, timeouts.placement_s) from None
         places = await asyncio.to_thread(_bundle_places, self.pg)
         self.bundle_nodes = [p["node_id"] for p in places]
         self.placement_f.set(self.pg)
         self.phase = "preflight"
         probe = (self.classes or {}).get("probe", NodeProbe)  # tests inject a slow one
-        report = await preflight(cfg, self.pg, self.run_dir, self.log.status, probe_cls=probe)
+        with clock.phase("preflight"):  # the probes hold the bundles' GPUs while they run
+            report = await preflight(cfg, self.pg, self.run_dir, self.log.status, probe_cls=probe)
         self.preflight_f.set(report)
         self.phase = "loading data"
-        await self._load_data()  # bad data fails the run here, before any model is loaded
+        with clock.phase("data"):
+            await self._load_data()  # bad data fails the run here, before any model is loaded
         self.phase = "loading components"
         group = ComponentGroup(
             cfg, self.run_id, placement, self.pg, self.classes, bundle_nodes=places
         )
         self.group, self.watch = group, Watch(group)  # set first: release, watchdog find it
-        group.start()
+        components_start = time.perf_counter()
+        group.start()  # every component loads its model in parallel (the actor's included)
         await group.wait_started()
+        clock.record("components", time.perf_counter() - components_start)
+        self.components_ready = True
+        await self._log_component_startup(group)
         if cfg.runner.per_worker_log:
             await self._attach_worker_logs(group)
         await self._join_process_groups(group)
@@ -334,18 +353,56 @@ class RunController:
             (tuple(master), i, len(members), actor_ranks, consumer_ranks, shared)
             for i in range(len(members))
         ]
-        await group.call_each(
-            members, "join", timeout=timeout, stage="process group", per_member=args
-        )
-        await group.call_each(
-            actors, "build", timeout=self.cfg.runner.timeouts.actor_start_s, stage="actor build"
-        )
+        with self.clock.phase("process_groups"):
+            await group.call_each(
+                members, "join", timeout=timeout, stage="process group", per_member=args
+            )
+        with self.clock.phase("actor_build"):
+            await group.call_each(
+                actors, "build", timeout=self.cfg.runner.timeouts.actor_start_s, stage="actor build"
+            )
         self.resume_from = ckpt.resume_source(self.cfg, self.run_dir)
         if self.resume_from is not None:
-            self.resume_step = await checkpointing.restore(
-                group, self.cfg, self.resume_from, self.log
-            )
-        await sync_weights(group, self.cfg)  # rollout and inference start from the actor
+            with self.clock.phase("restore"):
+                self.resume_step = await checkpointing.restore(
+                    group, self.cfg, self.resume_from, self.log
+                )
+        with self.clock.phase("weight_sync"):
+            await sync_weights(group, self.cfg)  # rollout and inference start from the actor
+
+    async def _log_component_startup(self, group: ComponentGroup) -> None:
+        """Each component's model load and compile-cache state, into the start-up record."""
+        members = group.all()
+        reports = await group.call_each(
+            members,
+            "startup_report",
+            timeout=self.cfg.runner.timeouts.actor_start_s,
+            stage="start-up report",
+        )
+        for member, report in zip(members, reports):
+            who = f"{member.slot.component}:{member.slot.rank}"
+            for part, seconds in report["seconds"].items():
+                if part == "model_load":
+                    self.clock.record(f"load/{who}", seconds)
+            for line in report["cache"]:
+                self.log.info(line)
+
+    async def _after_compiled_step(self, group: ComponentGroup, first: bool) -> None:
+        """Save newly compiled kernels to the shared compile cache; after the run's first step
+        also record each component's compile seconds."""
+        members = group.all()
+        answers = await group.call_each(
+            members,
+            "save_compile_cache",
+            timeout=self.cfg.runner.timeouts.checkpoint_s,
+            stage="compile cache",
+        )
+        for member, answer in zip(members, answers):
+            for line in answer["cache"]:
+                self.log.info(line)
+            if first and answer["compile_s"] > 0:
+                who = f"{member.slot.component}:{member.slot.rank}"
+                self.clock.record(f"compile/{who}", answer["compile_s"])
 
     async def _train(self) -> None:
         cfg, group, source = self.cfg, self.group, self.resume_from
@@ -378,9 +435,18 @@ class RunController:
                     data.max_prompt_length,
                     log=self.log.info,
                 )
+                first = step == self.resume_step + 1
+                if first:
+                    self.clock.since_call("ready")
                 result = await run_step(
                     group, cfg, step, prompts, [samples[i].solutions for i in indices]
                 )
+                if cfg.compile_cache_root is not None and cfg.cluster.accelerator == "cuda":
+                    await self._after_compiled_step(group, first)
+                if first:
+                    self.clock.record("first_step", result.timings["time/step"])
+                    self.clock.since_call("to_first_step")
+                    result.startup = dict(self.clock.seconds)
                 if self._validates_at(step):
                     self.phase = f"validation after step {step}"
                     val = await validate(

@@ -24,7 +24,6 @@ from rlinf_twoworker.engines.models import (
     SequenceBatch,
     compile_layers,
     dtype_for,
-    load_causal_lm,
     response_logprobs,
     run_or_eager,
 )
@@ -135,14 +134,19 @@ class ActorWorker(Worker):
         self._exported: list[torch.Tensor] = []
         self.lr_used = 0.0  # the lr of the latest optimiser step
         self.compiled = False  # compiled decoder layers and log-softmax (set by `build`)
+        # Loaded now, while the other components load theirs; sharded by `build`, which needs
+        # the actor group.
+        self.dtype = dtype_for(cfg.actor.model.precision, self.device)
+        self._unsharded: Any = self.load_model(cfg.actor.model.model_path, self.dtype)
 
     def build(self) -> None:
         """Load, shard and set up the optimiser (after `join`, which makes the actor group)."""
         from torch.distributed.device_mesh import DeviceMesh
 
         cfg = self.cfg
-        dtype = dtype_for(cfg.actor.model.precision, self.device)
-        model = load_causal_lm(cfg.actor.model.model_path, dtype, self.device)
+        model, self._unsharded = self._unsharded, None
+        if model is None:  # built once already
+            model = self.load_model(cfg.actor.model.model_path, self.dtype)
         self.compiled = self.device.type == "cuda" and cfg.actor.compile
         model = prepare_for_training(
             model,

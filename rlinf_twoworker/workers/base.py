@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from rlinf_twoworker.config import GRPOConfig
-from rlinf_twoworker.engines import weight_sync
-from rlinf_twoworker.engines.models import device_for
+from rlinf_twoworker.engines import compile_cache, weight_sync
+from rlinf_twoworker.engines.compile_cache import CompileCache
+from rlinf_twoworker.engines.models import device_for, load_causal_lm
 from rlinf_twoworker.engines.weight_sync import SyncGroups, new_sync_groups
 
 
@@ -89,7 +90,37 @@ class Worker:
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.actor_group: Any = None
         self._sync: SyncGroups | None = None
+        self.startup: dict[str, float] = {}
+        """Seconds of this process's start-up parts (model load), for the run's log."""
+        self.compile_cache = CompileCache(None, component, "")
         torch.manual_seed(cfg.actor.seed + rank)
+
+    def load_model(self, path: str, dtype: torch.dtype) -> Any:
+        """Load the model (timed: startup['model_load']) and, on GPUs, this component's entry of
+        the shared compile cache before anything is compiled."""
+        start = time.perf_counter()
+        model = load_causal_lm(path, dtype, self.device)
+        self.startup["model_load"] = time.perf_counter() - start
+        if self.device.type == "cuda":  # where the components compile (actor.compile)
+            self.compile_cache = compile_cache.for_model(
+                self.cfg.compile_cache_root, self.component, model, self.device
+            )
+            self.compile_cache.load()
+        return model
+
+    def startup_report(self) -> dict[str, Any]:
+        """What this process's start-up took and what its compile cache did."""
+        return {
+            "seconds": dict(self.startup),
+            "cache": [e.line(f"{self.component}:{self.rank}") for e in self.compile_cache.events],
+        }
+
+    def save_compile_cache(self) -> dict[str, Any]:
+        """After compiled work: save what was compiled since the last save (shared storage);
+        the cache lines to log and the seconds spent compiling so far."""
+        event = self.compile_cache.save_if_new()
+        line = [] if event is None else [event.line(f"{self.component}:{self.rank}")]
+        return {"cache": line, "compile_s": compile_cache.compile_seconds()}
 
     @property
     def sync(self) -> SyncGroups:

@@ -16,7 +16,6 @@ from rlinf_twoworker.engines.models import (
     SequenceBatch,
     compile_layers,
     dtype_for,
-    load_causal_lm,
     response_logprobs,
     run_or_eager,
 )
@@ -37,7 +36,7 @@ class InferenceWorker(PolicyCopy):
         super().__init__(cfg, component, rank)
         self.dtype = dtype_for(cfg.inference.model.precision, self.device)
         path = model_path or cfg.inference.model.model_path
-        self.model = load_causal_lm(path, self.dtype, self.device).eval()
+        self.model = self.load_model(path, self.dtype).eval()
         # The actor's kernels: its decoder layers and log-softmax are compiled on GPUs (with
         # actor.compile), so by default the old log-probs are computed the same way as the new
         # ones and the first minibatch's ratio is 1 up to rounding.

@@ -296,6 +296,13 @@ class RewardWorker:
     def ping(self) -> bool:
         return True
 
+    def startup_report(self) -> dict[str, Any]:
+        """No model, nothing compiled: the start-up protocol every component answers."""
+        return {"seconds": {}, "cache": []}
+
+    def save_compile_cache(self) -> dict[str, Any]:
+        return {"cache": [], "compile_s": 0.0}
+
     def attach_log(self, path: str) -> None:
         from rlinf_twoworker.workers.base import attach_log
 

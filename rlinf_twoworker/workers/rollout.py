@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from rlinf_twoworker.config import GRPOConfig
-from rlinf_twoworker.engines.models import SequenceBatch, dtype_for, load_causal_lm, load_tokenizer
+from rlinf_twoworker.engines.models import SequenceBatch, dtype_for, load_tokenizer
 from rlinf_twoworker.engines.static import SamplingSettings, StaticSampler, unsupported_reason
 from rlinf_twoworker.errors import TwoWorkerError
 from rlinf_twoworker.messages import Rollout
@@ -49,7 +49,7 @@ class RolloutWorker(PolicyCopy):
         super().__init__(cfg, "rollout", rank)
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
         self.dtype = dtype_for(cfg.rollout.model.precision, self.device)
-        self.model = load_causal_lm(cfg.rollout.model.model_path, self.dtype, self.device).eval()
+        self.model = self.load_model(cfg.rollout.model.model_path, self.dtype).eval()
         eos = self.tokenizer.eos_token_id
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         eos_ids = gen_eos if isinstance(gen_eos, list) else [gen_eos]

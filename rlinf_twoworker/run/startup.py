@@ -1,0 +1,47 @@
+"""Where a run's start-up time goes, phase by phase.
+
+Every phase is logged as it ends (`STARTUP <phase> <seconds>s` in log/main.log), kept for
+`handle.status()["startup"]` and handed to the run's first StepResult (`StepResult.startup`).
+Phases, in order (the components' model loads overlap one another):
+
+    connect          from the call of run_grpo_two_worker to the controller running
+    placement        the placement group ready
+    preflight        every node's probe done
+    data             the training (and validation) data read
+    components       every component process started and its model loaded (the actor's too)
+    load/<c>:<r>     one component's model load, inside `components`
+    process_groups   the run's process group and sub-groups
+    actor_build      FSDP sharding and the optimiser
+    weight_sync      the first sync (rollout and inference start from the actor's weights)
+    ready            from the call to the first step starting
+    first_step       step 1 (or the first step after a resume), compilation included
+    compile/<c>:<r>  one component's seconds in torch.compile during that step (GPUs)
+    to_first_step    from the call to the first step done
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+
+class StartupClock:
+    def __init__(self, log: Callable[[str], None], called_at: float | None = None) -> None:
+        self.log = log
+        self.called_at = called_at if called_at is not None else time.time()
+        self.seconds: dict[str, float] = {}
+
+    def record(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = round(seconds, 3)
+        self.log(f"STARTUP {phase} {seconds:.2f}s")
+
+    def since_call(self, phase: str) -> None:
+        """Record `phase` as the time from the call to now."""
+        self.record(phase, time.time() - self.called_at)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.record(name, time.perf_counter() - start)
