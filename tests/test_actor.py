@@ -16,7 +16,12 @@ from rlinf_twoworker.config import to_typed
 from rlinf_twoworker.engines.models import SequenceBatch, load_causal_lm, response_logprobs
 from rlinf_twoworker.messages import ActorShard
 from rlinf_twoworker.run.step import split_for_actors
-from rlinf_twoworker.workers.actor import ActorWorker, lr_scheduler, prepare_for_training
+from rlinf_twoworker.workers.actor import (
+    ActorWorker,
+    lr_scheduler,
+    micro_batches,
+    prepare_for_training,
+)
 
 
 @pytest.fixture(scope="module")
@@ -142,15 +147,19 @@ def _gradients(world, overrides: list[str], shard: ActorShard | None = None):
 def test_token_budget_micro_batches_give_the_one_row_gradient(world):
     """The loss weights are fixed per minibatch (RLinf's 1-row token-means), so cutting the
     forward/backward by a token budget instead of 1 row at a time changes no gradient."""
-    one_row, one_row_sums, shard = _gradients(world, [])
-    budget, budget_sums, _ = _gradients(
-        world,
+    one_row, one_row_sums, shard = _gradients(world, ["runner.micro_batch_tokens=0"])
+    inputs, root = world
+    cfg = to_typed(demo_config(inputs, str(root / "runs"), "cut", []))
+    width = shard.batch.input_ids.shape[1]
+    assert len(micro_batches(cfg, len(shard.batch.input_ids), width)) == 1  # the default cut
+    for cut in (
+        [],  # the library's default: runner.micro_batch_tokens
         ["runner.enable_dynamic_batch_size=true", "runner.max_tokens_per_mbs=40"],
-        shard,
-    )
-    assert one_row_sums["final_loss"] == pytest.approx(budget_sums["final_loss"], rel=1e-5)
-    for name, grad in one_row.items():
-        assert torch.allclose(budget[name], grad, atol=1e-6, rtol=1e-4), name
+    ):
+        budget, budget_sums, _ = _gradients(world, cut, shard)
+        assert one_row_sums["final_loss"] == pytest.approx(budget_sums["final_loss"], rel=1e-5)
+        for name, grad in one_row.items():
+            assert torch.allclose(budget[name], grad, atol=1e-6, rtol=1e-4), name
     # RLinf's per-micro-batch token-mean is not the global token-mean: that one differs
     other, _, _ = _gradients(world, ["algorithm.loss_agg_func=global-token-mean"])
     assert any(not torch.allclose(other[n], g, atol=1e-6) for n, g in one_row.items())

@@ -269,7 +269,7 @@ def test_dynamic_batch_size_gives_the_same_update(cluster_2x2, inputs, tmp_path)
         "algorithm.n_minibatches=2",
     ]
     runs = {
-        "fixed": common,
+        "fixed": [*common, "runner.micro_batch_tokens=0"],  # RLinf's 1-row cut
         "dynamic": [
             *common,
             "runner.enable_dynamic_batch_size=true",

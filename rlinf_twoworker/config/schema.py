@@ -171,6 +171,16 @@ class RunnerConfig:
     the same (see config_notes for how this differs from RLinf)."""
     max_tokens_per_mbs: int = 1024
     """Token budget of one actor micro-batch (rows x padded length) with dynamic batch size."""
+    micro_batch_tokens: int = 4096
+    """The library's own cut of the actor's forward/backward, for speed: as many rows as fit in
+    this many tokens (rows x padded length), never fewer than training_batch_size_per_gpu. The
+    loss weights stay those of RLinf's training_batch_size_per_gpu-row micro-batches, so the
+    gradient is the same as RLinf's cut (up to the order of float sums); 0 cuts exactly as
+    RLinf's keys say. enable_dynamic_batch_size=true uses max_tokens_per_mbs instead."""
+    logprob_micro_batch_tokens: int = 16384
+    """The same for the log-prob recompute (inference, reference): as many rows as fit in this
+    many tokens, never fewer than algorithm.logprob_forward_micro_batch_size; 0 takes that
+    key's rows. A forward without gradients: the result does not depend on the cut."""
     trim_padding_multiple: int = 0
     """0 keeps every micro-batch at full width. N >= 1: the inference and actor forwards drop
     the columns that are padding in every row of a micro-batch (prompt padding on the left,
@@ -217,6 +227,8 @@ class RunnerConfig:
             self.trim_padding_multiple,
             "must be >= 0 (0 turns trimming off)",
         )
+        for key in ("micro_batch_tokens", "logprob_micro_batch_tokens"):
+            _require(getattr(self, key) >= 0, f"runner.{key}", getattr(self, key), "must be >= 0")
         _require(
             self.max_tokens_per_mbs >= 1,
             "runner.max_tokens_per_mbs",
