@@ -248,6 +248,27 @@ def _or_error(fn, *args):
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+H200_BF16_DENSE = 989e12
+"""The H200's dense bf16 tensor-core rate (NVIDIA's datasheet), the usual MFU denominator."""
+
+
+def _usual_flops_per_token(model_dir: Path, seq: int) -> float:
+    """Training FLOPs per token, the usual count: 6 x non-embedding parameters (the input
+    embedding and the LM head excluded) + 12 x layers x hidden x sequence (attention scores and
+    their application, forward and backward)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    head_dim = c.hidden_size // c.num_attention_heads
+    kv = c.num_key_value_heads * head_dim
+    attn = c.hidden_size * (c.hidden_size + 2 * kv) + 2 * kv + c.hidden_size  # q,k,v (+bias)
+    attn += c.hidden_size * c.hidden_size  # o
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    layer = attn + mlp + 2 * c.hidden_size  # two RMSNorms
+    non_embedding = c.num_hidden_layers * layer + c.hidden_size  # final norm
+    return 6 * non_embedding + 12 * c.num_hidden_layers * c.hidden_size * seq
+
+
 def bench_actor(model_dir: Path, peak_tflops: float, quick: bool) -> dict:
     """Training tokens/s and MFU: eager, the library's default (compiled decoder layers and
     log-softmax kernel), and the default with activation checkpointing (one more forward)."""
@@ -276,6 +297,10 @@ def bench_actor(model_dir: Path, peak_tflops: float, quick: bool) -> dict:
             "step_s": t,
             "warmup_two_steps_s": warmup,
             "mfu_6N_vs_measured_peak": 6 * n_params * tokens_s / (peak_tflops * 1e12),
+            # The usual definition (PaLM, Megatron): 6 x non-embedding parameters plus the
+            # attention's 12 x layers x hidden x sequence per token, against the H200's
+            # 989 TFLOP/s dense bf16 datasheet rate.
+            "mfu_usual_vs_989": _usual_flops_per_token(model_dir, seq) * tokens_s / H200_BF16_DENSE,
             "hardware_flops_utilisation": hardware_flops / (peak_tflops * 1e12),
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
             "kernel_ms_by_family": _or_error(kernel_breakdown, step),
@@ -496,6 +521,13 @@ def _tutorial_job(model_dir: Path, root: Path, run_id: str, cache: Path, inducto
         "startup_phases_s": first.startup,
         "step1_stages_s": first.timings,
         "step2_s": second.timings["time/step"],
+        # The actor stage's rate inside the real step (answer tokens only; prompts are short).
+        "actor_answer_tokens_per_s_step2": (
+            second.metrics["rollout/response_length"]
+            * cfg.data.rollout_batch_size
+            * cfg.algorithm.group_size
+            / second.timings["time/actor/training"]
+        ),
         # On-policy check at the 1.5B shape: actor vs inference log-probs, first minibatch.
         "logprob_diff_max": [
             r.metrics.get("actor/training/actor/logprob_diff_max") for r in (first, second)

@@ -7,7 +7,8 @@ comparable with the reference runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -81,8 +82,12 @@ def _logprobs_entropy(logits: Tensor, labels: Tensor, temperature: float) -> tup
 
 # The same arithmetic as one generated kernel each way: the forward reads the low-precision
 # logits once, and the backward writes their gradient directly, with no float32 copy of the
-# vocabulary-wide tensor in between. Compiled lazily, at the first call with fused=True.
-_fused_logprobs_entropy = torch.compile(_logprobs_entropy, dynamic=None)
+# vocabulary-wide tensor in between. Compiled lazily, at the first call with fused=True; even
+# the torch.compile wrapper is made then, so importing this module does not import the
+# compiler stack (seconds in every process that only needs the arithmetic: the controller).
+@functools.cache
+def _fused_logprobs_entropy() -> Callable[..., tuple[Tensor, Tensor]]:
+    return torch.compile(_logprobs_entropy, dynamic=None)
 
 
 def token_logprobs(
@@ -106,7 +111,7 @@ def token_logprobs(
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} differ")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    kernel = _fused_logprobs_entropy if fused else _logprobs_entropy
+    kernel = _fused_logprobs_entropy() if fused else _logprobs_entropy
     parts = [
         kernel(logits[start : start + chunk_size], labels[start : start + chunk_size], temperature)
         for start in range(0, logits.shape[0], chunk_size)

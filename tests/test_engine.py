@@ -163,6 +163,7 @@ def test_cancel_makes_pending_futures_raise_and_frees_the_cluster(cluster_2x2, i
     phases = {"connect", "placement", "preflight", "data", "components", "process_groups"}
     phases |= {"actor_build", "weight_sync", "ready", "first_step", "to_first_step"}
     phases |= {f"load/{c}:{r}" for c, r in [("rollout", 0), ("inference", 0), ("actor", 1)]}
+    phases |= {"grader_start/reward:0", "preflight/node0/manifests", "preflight/collective"}
     assert phases <= set(first.startup), first.startup
     assert all(seconds >= 0 for seconds in first.startup.values())
     assert first.startup["to_first_step"] >= first.startup["ready"] >= first.startup["components"]

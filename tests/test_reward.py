@@ -110,3 +110,13 @@ def test_a_grader_exception_scores_wrong_and_is_counted():
 def test_grader_must_be_picklable():
     with pytest.raises(ValueError, match="picklable"):
         MathReward(grader=lambda answer, solutions: True)
+
+
+def test_warm_up_starts_every_grading_process_before_the_first_step():
+    with MathReward(num_workers=2, timeout_s=30.0) as grader:
+        grader.warm_up()
+        assert len(grader._workers) == 2 and all(w.ready for w in grader._workers)
+        assert grader.last_stats == {}  # the warm-up is no step's grading
+        pids = {w.process.pid for w in grader._workers}
+        assert grader.score(["\\boxed{2}"], [["2"]]) == [5.0]
+        assert {w.process.pid for w in grader._workers} == pids  # the same processes grade

@@ -181,7 +181,9 @@ async def preflight(
         report = PreflightReport(False, nodes, errors, dict(resources))
         if cfg.cluster.preflight.check_collective:
             if all(n.get("ip") and "python_prefix" in n for n in nodes):
+                began = time.monotonic()
                 report.collective = await _collective(probes, nodes, cfg, deadline)
+                report.collective["seconds"] = round(time.monotonic() - began, 3)
                 if report.collective["error"]:
                     report.errors.append(report.collective["error"])
             else:

@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -95,7 +96,17 @@ class NodeProbe:
             context = ray.get_runtime_context()
             r["node_id"] = context.get_node_id()
             r["ray_gpu_ids"] = [str(g) for g in context.get_accelerator_ids().get("GPU", [])]
+        seconds: dict[str, float] = {}  # each check's share of the preflight (start-up record)
+        clock = time.perf_counter()
+
+        def lap(check: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            seconds[check] = round(now - clock, 3)
+            clock = now
+
         self._check_gpus(cfg, r, fail)
+        lap("gpus")
         ib = os.environ.get("NCCL_IB_DISABLE")
         r["nccl_ib_disable"] = ib
         if pre.require_nccl_ib_disable and ib != "1":
@@ -104,16 +115,19 @@ class NodeProbe:
         if want and os.path.realpath(sys.prefix) != os.path.realpath(want):
             fail("python prefix", sys.prefix, f"run this node's Ray from the env at {want}")
         self._check_code(pre.code_path, pre.code_commit, r, fail)
+        lap("env_and_code")
         r["manifests"] = {}
         for label, path in self.input_paths(cfg, node_rank).items():
             try:
                 r["manifests"][label] = verify_input(path)
             except PreflightError as exc:  # it names the input and says what to do
                 errors.append(f"node {node_rank} ({r['hostname']}): {exc}")
+        lap("manifests")
         for model in dict.fromkeys(path for _, path in components.model_paths(cfg)):
             problem = _not_a_causal_lm(Path(model))
             if problem:
                 fail(f"model {model}", problem, "point *.model.model_path at a causal LM")
+        lap("model_configs")
         r["modules"] = {}
         for name in pre.required_modules:
             try:
@@ -121,6 +135,8 @@ class NodeProbe:
                 r["modules"][name] = str(getattr(module, "__version__", "ok"))
             except Exception as exc:  # any import failure is a finding, never a crash
                 fail(f"import {name}", f"{type(exc).__name__}: {exc}", "install it in the env")
+        lap("imports")
+        r["seconds"] = seconds
         r["errors"] = errors
         return r
 

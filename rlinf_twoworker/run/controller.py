@@ -271,6 +271,11 @@ class RunController:
         with clock.phase("preflight"):  # the probes hold the bundles' GPUs while they run
             report = await preflight(cfg, self.pg, self.run_dir, self.log.status, probe_cls=probe)
         self.preflight_f.set(report)
+        for node in report.nodes:  # where the preflight's time went, node by node
+            for check, seconds in (node.get("seconds") or {}).items():
+                clock.record(f"preflight/node{node['node_rank']}/{check}", seconds)
+        if report.collective is not None and "seconds" in report.collective:
+            clock.record("preflight/collective", report.collective["seconds"])
         self.phase = "loading data"
         with clock.phase("data"):
             await self._load_data()  # bad data fails the run here, before any model is loaded
@@ -382,8 +387,8 @@ class RunController:
         for member, report in zip(members, reports):
             who = f"{member.slot.component}:{member.slot.rank}"
             for part, seconds in report["seconds"].items():
-                if part == "model_load":
-                    self.clock.record(f"load/{who}", seconds)
+                name = {"model_load": "load", "grader_start": "grader_start"}.get(part, part)
+                self.clock.record(f"{name}/{who}", seconds)
             for line in report["cache"]:
                 self.log.info(line)
 

@@ -7,9 +7,14 @@ Phases, in order (the components' model loads overlap one another):
     connect          from the call of run_grpo_two_worker to the controller running
     placement        the placement group ready
     preflight        every node's probe done
+    preflight/node<i>/<check>  one check's seconds on one node (gpus, env_and_code, manifests,
+                     model_configs, imports), inside `preflight`
+    preflight/collective  the cross-node all-reduce, inside `preflight`
     data             the training (and validation) data read
     components       every component process started and its model loaded (the actor's too)
     load/<c>:<r>     one component's model load, inside `components`
+    grader_start/reward:0  the reward's grading processes started and warmed up, inside
+                     `components`
     process_groups   the run's process group and sub-groups
     actor_build      FSDP sharding and the optimiser
     weight_sync      the first sync (rollout and inference start from the actor's weights)

@@ -158,6 +158,17 @@ class MathReward:
         """score() in a thread, so an async actor's event loop keeps serving other calls."""
         return await asyncio.to_thread(self.score, answers, solutions)
 
+    def warm_up(self) -> None:
+        """Start every grading process and grade one trivial answer in each (math_verify's
+        import), so the run's first step does not wait for them."""
+        self.score(["0"] * self.num_workers, [["0"]] * self.num_workers)
+        self.last_stats = {}
+        with self._lock:  # the ones that got no answer may still be importing: wait for them
+            counts = {"timed_out": 0, "errors": 0}
+            while any(not w.ready for w in self._workers):
+                self._collect([], counts)
+                self._reap_overdue(counts)
+
     def close(self) -> None:
         """Stop the grading processes (score() starts new ones if called again)."""
         with self._lock:
@@ -272,6 +283,9 @@ class RewardWorker:
     def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
         self.grader = MathReward(cfg.reward.reward_scale, cfg.reward.timeout_s)
         self.rank = rank
+        start = time.perf_counter()
+        self.grader.warm_up()  # while the other components load their models
+        self.startup = {"grader_start": time.perf_counter() - start}
 
     async def score(self, answers: list[str], solutions: list[list[str]]) -> Graded:
         from rlinf_twoworker.messages import Graded
@@ -297,8 +311,8 @@ class RewardWorker:
         return True
 
     def startup_report(self) -> dict[str, Any]:
-        """No model, nothing compiled: the start-up protocol every component answers."""
-        return {"seconds": {}, "cache": []}
+        """The grading processes' start; no model, nothing compiled."""
+        return {"seconds": dict(self.startup), "cache": []}
 
     def save_compile_cache(self) -> dict[str, Any]:
         return {"cache": [], "compile_s": 0.0}
