@@ -40,13 +40,21 @@ def tiny(demo):
 
 
 def _tiny_lm(arch: str = "qwen2", vocab: int = 32, logit_scale: float = 1.0, **config: Any) -> Any:
-    """A seeded random fp32 Qwen2 or Mistral model of a few thousand weights. `logit_scale`
+    """A seeded random fp32 Qwen2, Qwen3 or Mistral model of a few thousand weights. `logit_scale`
     multiplies the output layer: random init gives nearly flat next-token distributions, on
     which temperatures barely differ."""
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     config_class, model_class = {
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
     }[arch]
     cfg = config_class(
@@ -186,6 +194,58 @@ def test_llama_without_projection_biases_matches_generate():
         assert (fuse_projections(model)[0].gate_up_weight is None) == (act != "silu")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_qwen3_greedy_tokens_equal_generate(device, penalty):
+    """Qwen3: per-head q/k RMSNorm before the rotary, head_dim (16) independent of
+    hidden_size / heads (32 / 4 = 8), no q/k/v biases; with and without a repetition penalty."""
+    model = _tiny_lm("qwen3", vocab=61, logit_scale=4.0, head_dim=16).to(device)
+    with torch.no_grad():  # non-trivial norm weights: a skipped q/k norm changes the tokens
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    assert model.config.head_dim * model.config.num_attention_heads != model.config.hidden_size
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 3]], pad_id=0, width=8)
+    ref = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        do_sample=False,
+        max_new_tokens=20,
+        min_new_tokens=20,
+        repetition_penalty=penalty,
+        pad_token_id=0,
+    )[:, 8:].cpu()
+    sampler = StaticSampler(model, 3, 8 + 20)
+    settings = SamplingSettings(do_sample=False, repetition_penalty=penalty)
+    for _ in range(2):  # the second call replays the captured graph on CUDA
+        assert torch.equal(sampler.generate(ids, mask, 20, [-1], 0, settings), ref)
+    assert fuse_projections(model)[0].qkv_bias is None
+    assert len(set(ref.flatten().tolist())) > 3  # not a degenerate answer
+
+
+def test_the_engines_behind_one_interface():
+    """choose_engine: auto picks static for the families it supports, hf otherwise; both
+    answer through the same generate(), and the static engine keeps one sampler per shape."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlinf_twoworker.engines.rollout_engine import choose_engine
+
+    qwen3 = _tiny_lm("qwen3", vocab=61, logit_scale=4.0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_embd=32, n_layer=1, n_head=2)).eval()
+    static = choose_engine("auto", qwen3, 28, "test")
+    assert static.name == "static" and static.fixed_prompt_width
+    assert choose_engine("auto", gpt2, 28, "test").name == "hf"
+    with pytest.raises(TwoWorkerError, match=r"rollout.engine=static \(test\).*GPT2LMHeadModel"):
+        choose_engine("static", gpt2, 28, "test")
+    hf = choose_engine("hf", qwen3, 28, "test")
+    ids, mask = left_pad([[5, 6, 7], [8, 9]], pad_id=0, width=8)
+    greedy = SamplingSettings(do_sample=False)
+    answers = [e.generate(ids, mask, 20, [-1], 0, greedy) for e in (static, hf)]
+    assert torch.equal(answers[0], answers[1])
+    static.generate(ids, mask, 20, [-1], 0, greedy)
+    assert list(static.samplers) == [(2, 28)]
+
+
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
     """Pearson's statistic of token `counts` against probabilities `probs`, and the value it
     exceeds by chance with probability about 3e-7 (the chi-square quantile at z = 5, by
@@ -285,6 +345,9 @@ def _generate_one(model: Any, prompt: list[int], new: int, penalty: float) -> to
         ("qwen2", 16, {"use_sliding_window": True, "max_window_layers": 2}, False),
         ("qwen2", 40, {"use_sliding_window": True, "max_window_layers": 0}, False),
         ("qwen2", 16, {"use_sliding_window": False}, False),
+        ("qwen3", 16, {"use_sliding_window": True, "max_window_layers": 0}, True),
+        ("qwen3", 16, {"use_sliding_window": True, "max_window_layers": 2}, False),
+        ("qwen3", 16, {"use_sliding_window": False}, False),
         ("mistral", 16, {}, True),
         ("mistral", 40, {}, False),
         ("mistral", None, {}, False),
@@ -331,7 +394,7 @@ def test_the_engine_falls_back_to_hf_on_a_sliding_window(demo, tmp_path, caplog)
     tokenizer = build_tokenizer()
     window = {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}
     _tiny_lm(vocab=len(tokenizer), **window).save_pretrained(sliding)
-    with caplog.at_level(logging.WARNING, logger="rlinf_twoworker.workers.rollout"):
+    with caplog.at_level(logging.WARNING, logger="rlinf_twoworker.engines.rollout_engine"):
         assert not _rollout(demo, tmp_path, sliding, "rollout.engine=auto").static
     assert "rollout.engine=auto uses hf" in caplog.text
     assert "sliding window of 64 tokens" in caplog.text

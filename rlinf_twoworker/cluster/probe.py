@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -105,37 +106,48 @@ class NodeProbe:
             seconds[check] = round(now - clock, 3)
             clock = now
 
-        self._check_gpus(cfg, r, fail)
-        lap("gpus")
-        ib = os.environ.get("NCCL_IB_DISABLE")
-        r["nccl_ib_disable"] = ib
-        if pre.require_nccl_ib_disable and ib != "1":
-            fail("NCCL_IB_DISABLE", repr(ib), "export NCCL_IB_DISABLE=1 in this node's env")
-        want = pre.expected_python_prefix
-        if want and os.path.realpath(sys.prefix) != os.path.realpath(want):
-            fail("python prefix", sys.prefix, f"run this node's Ray from the env at {want}")
-        self._check_code(pre.code_path, pre.code_commit, r, fail)
-        lap("env_and_code")
-        r["manifests"] = {}
-        for label, path in self.input_paths(cfg, node_rank).items():
-            try:
-                r["manifests"][label] = verify_input(path)
-            except PreflightError as exc:  # it names the input and says what to do
-                errors.append(f"node {node_rank} ({r['hostname']}): {exc}")
-        lap("manifests")
-        for model in dict.fromkeys(path for _, path in components.model_paths(cfg)):
-            problem = _not_a_causal_lm(Path(model))
-            if problem:
-                fail(f"model {model}", problem, "point *.model.model_path at a causal LM")
-        lap("model_configs")
-        r["modules"] = {}
-        for name in pre.required_modules:
-            try:
-                module = importlib.import_module(name)
-                r["modules"][name] = str(getattr(module, "__version__", "ok"))
-            except Exception as exc:  # any import failure is a finding, never a crash
-                fail(f"import {name}", f"{type(exc).__name__}: {exc}", "install it in the env")
-        lap("imports")
+        def verify_manifests() -> tuple[dict[str, str], list[str], float]:
+            start, found, problems = time.perf_counter(), {}, []
+            for label, path in self.input_paths(cfg, node_rank).items():
+                try:
+                    found[label] = verify_input(path)
+                except PreflightError as exc:  # it names the input and says what to do
+                    problems.append(f"node {node_rank} ({r['hostname']}): {exc}")
+            return found, problems, time.perf_counter() - start
+
+        # Hashing the inputs (gigabytes of model files) is the longest check and releases the
+        # GIL: it runs in a thread while the others run here; errors keep their order.
+        with ThreadPoolExecutor(1, thread_name_prefix="preflight-manifests") as pool:
+            hashing = pool.submit(verify_manifests)
+            self._check_gpus(cfg, r, fail)
+            lap("gpus")
+            ib = os.environ.get("NCCL_IB_DISABLE")
+            r["nccl_ib_disable"] = ib
+            if pre.require_nccl_ib_disable and ib != "1":
+                fail("NCCL_IB_DISABLE", repr(ib), "export NCCL_IB_DISABLE=1 in this node's env")
+            want = pre.expected_python_prefix
+            if want and os.path.realpath(sys.prefix) != os.path.realpath(want):
+                fail("python prefix", sys.prefix, f"run this node's Ray from the env at {want}")
+            self._check_code(pre.code_path, pre.code_commit, r, fail)
+            lap("env_and_code")
+            manifest_errors_at = len(errors)
+            for model in dict.fromkeys(path for _, path in components.model_paths(cfg)):
+                problem = _not_a_causal_lm(Path(model))
+                if problem:
+                    fail(f"model {model}", problem, "point *.model.model_path at a causal LM")
+            lap("model_configs")
+            r["modules"] = {}
+            for name in pre.required_modules:
+                try:
+                    module = importlib.import_module(name)
+                    r["modules"][name] = str(getattr(module, "__version__", "ok"))
+                except Exception as exc:  # any import failure is a finding, never a crash
+                    fail(f"import {name}", f"{type(exc).__name__}: {exc}", "install it in the env")
+            lap("imports")
+            r["manifests"], problems, hashed_s = hashing.result()
+        errors[manifest_errors_at:manifest_errors_at] = problems
+        seconds["manifests"] = round(hashed_s, 3)  # alongside the checks above
+        lap("manifests_wait")
         r["seconds"] = seconds
         r["errors"] = errors
         return r

@@ -467,7 +467,7 @@ class RolloutConfig(EngineSettings):
     """Most sequences decoded together (prompts x group_size are split into such batches)."""
     engine: str = "auto"
     """'static' (preallocated KV cache, CUDA-graph decode), 'hf' (transformers' generate), or
-    'auto' (static for Qwen2/Llama/Mistral models, hf otherwise)."""
+    'auto' (static for Qwen2/Qwen3/Llama/Mistral models, hf otherwise)."""
     validate_weight: bool = False
     """After every weight sync, compare digests of the actor's, rollout's and inference's full
     weights and fail the step on any difference (costs one more gather of the weights)."""

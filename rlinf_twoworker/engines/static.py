@@ -1,4 +1,5 @@
-"""A static-KV-cache sampler for Qwen2/Llama-family models, with CUDA-graph decode on GPUs.
+"""The `static` rollout engine: a static-KV-cache sampler for Qwen2/Qwen3/Llama-family models,
+with CUDA-graph decode on GPUs.
 
 `transformers`' `generate` is bound by Python and kernel-launch overhead at RL batch sizes. This
 sampler reuses the loaded model's own weights and rotary embedding but runs its own loop: the KV
@@ -10,8 +11,10 @@ grouped KV cache in place (no per-head copies) and on GPUs the elementwise piece
 RMSNorm, rotary, masked softmax, SwiGLU) are fused by `torch.compile`. Sampling (temperature,
 top-k, top-p, and HF's repetition penalty) stays on the GPU. Exactness: greedy decoding gives
 the same tokens as `generate`, with or without a repetition penalty, and sampling draws from
-softmax(logits / T) at every step (both tested). Attention is full attention: a model whose
-config slides a window shorter than the sequence is refused (`unsupported_reason`).
+softmax(logits / T) at every step (both tested). Qwen3's per-head RMSNorm of q and k runs
+before the rotary embedding, and its head_dim need not be hidden_size / heads. Attention is full
+attention: a model whose config slides a window shorter than the sequence is refused
+(`unsupported_reason`).
 """
 
 from __future__ import annotations
@@ -25,18 +28,22 @@ import torch
 import torch.nn.functional as F
 
 from rlinf_twoworker.engines.models import run_or_eager
+from rlinf_twoworker.engines.sampling import SamplingSettings
 from rlinf_twoworker.errors import TwoWorkerError
 
-SUPPORTED = ("Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+"""Architectures that slide a window only with use_sliding_window, from max_window_layers on."""
 
 
 def sliding_window(model: Any) -> int | None:
     """The attention window the model's own forward applies in some layer (None: none). Mistral
-    slides in every layer when `sliding_window` is set; Qwen2 only with `use_sliding_window`,
-    in the layers from `max_window_layers` on (or as its `layer_types` list says)."""
+    slides in every layer when `sliding_window` is set; Qwen2 and Qwen3 only with
+    `use_sliding_window`, in the layers from `max_window_layers` on (or as their `layer_types`
+    list says)."""
     cfg = model.config
     window: int | None = getattr(cfg, "sliding_window", None)
-    if window is None or type(model).__name__ != "Qwen2ForCausalLM":
+    if window is None or type(model).__name__ not in QWEN_WINDOWS:
         return window
     if not getattr(cfg, "use_sliding_window", False):
         return None
@@ -68,17 +75,6 @@ def supports(model: Any, max_len: int) -> bool:
     return unsupported_reason(model, max_len) is None
 
 
-@dataclass(frozen=True)
-class SamplingSettings:
-    do_sample: bool = True
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    """HF's: logits of tokens already in the row (prompt or answer) are divided by it when
-    positive, multiplied when negative, before temperature / top-k / top-p; 1.0 is off."""
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -106,6 +102,26 @@ def split_rope(
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q = q.view(b, t, heads, dim).transpose(1, 2)
     k = k.view(b, t, kv_heads, dim).transpose(1, 2)
+    v = v.view(b, t, kv_heads, dim).transpose(1, 2)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+def split_norm_rope(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """split_rope with Qwen3's per-head RMSNorm of q and k (over head_dim) before the rotary."""
+    b, t, _ = qkv.shape
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q = rms_norm(q.view(b, t, heads, dim), q_weight, eps).transpose(1, 2)
+    k = rms_norm(k.view(b, t, kv_heads, dim), k_weight, eps).transpose(1, 2)
     v = v.view(b, t, kv_heads, dim).transpose(1, 2)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
@@ -257,10 +273,18 @@ class StaticSampler:
 
     def _set_kernels(self, compiled: bool) -> None:
         self.compiled = compiled
-        kernels: tuple[Callable, ...] = (rms_norm, add_rms_norm, split_rope, masked_softmax, swiglu)
+        kernels: tuple[Callable, ...] = (
+            rms_norm,
+            add_rms_norm,
+            split_rope,
+            split_norm_rope,
+            masked_softmax,
+            swiglu,
+        )
         if compiled:
             kernels = tuple(torch.compile(k, dynamic=False, backend=self.backend) for k in kernels)
-        self.norm, self.add_norm, self.split_rope, self.softmax, self.swiglu = kernels
+        self.norm, self.add_norm, self.split_rope, self.split_norm_rope = kernels[:4]
+        self.softmax, self.swiglu = kernels[4:]
 
     def _residual_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module
@@ -282,7 +306,20 @@ class StaticSampler:
         fused = self.fused[index]
         b, t, _ = h.shape
         qkv = F.linear(h, fused.qkv_weight, fused.qkv_bias)
-        q, k, v = self.split_rope(qkv, *rotary, self.heads, self.kv_heads, self.head_dim)
+        attn = self.layers[index].self_attn
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3
+            q, k, v = self.split_norm_rope(
+                qkv,
+                *rotary,
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                attn.q_norm.weight,
+                attn.k_norm.weight,
+                attn.q_norm.variance_epsilon,
+            )
+        else:
+            q, k, v = self.split_rope(qkv, *rotary, self.heads, self.kv_heads, self.head_dim)
         keys, values = self.k[index], self.v[index]
         keys.index_copy_(2, cols, k)
         values.index_copy_(2, cols, v)
@@ -452,3 +489,34 @@ class StaticSampler:
         for buf, saved in zip(self._state(), snapshot):
             buf.copy_(saved)
         self.graph.replay()
+
+
+class StaticEngine:
+    """The `static` engine of the rollout engine interface: one StaticSampler per (batch,
+    length) shape, built on first use (its KV cache and CUDA graph are kept for the next step)."""
+
+    name = "static"
+    fixed_prompt_width = True  # one prompt width: the samplers' shapes (and graphs) repeat
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.samplers: dict[tuple[int, int], StaticSampler] = {}
+
+    def generate(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        max_new: int,
+        eos_ids: list[int],
+        pad_id: int,
+        settings: SamplingSettings,
+    ) -> torch.Tensor:
+        shape = (ids.shape[0], ids.shape[1] + max_new)
+        if shape not in self.samplers:
+            self.samplers[shape] = StaticSampler(self.model, *shape)
+        return self.samplers[shape].generate(ids, mask, max_new, eos_ids, pad_id, settings)
+
+    def weights_loaded(self) -> None:
+        """The sync writes into the parameters, which the fused projections alias; re-fuse
+        should anything have rebound them (idempotent when nothing did)."""
+        fuse_projections(self.model)

@@ -114,7 +114,7 @@ class RunController:
         self.last_step = 0  # the step `last` belongs to
         self.started_at = time.time()
         self.components_ready = False  # every component answered (topology is known)
-        self.clock = StartupClock(self.log.info, called_at)
+        self.clock = StartupClock(self.log.detail, called_at)
 
     # ---- the handle's view -------------------------------------------------------------
     async def start(self) -> bool:
@@ -390,7 +390,7 @@ class RunController:
                 name = {"model_load": "load", "grader_start": "grader_start"}.get(part, part)
                 self.clock.record(f"{name}/{who}", seconds)
             for line in report["cache"]:
-                self.log.info(line)
+                self.log.detail(line)
 
     async def _after_compiled_step(self, group: ComponentGroup, first: bool) -> None:
         """Save newly compiled kernels to the shared compile cache; after the run's first step
@@ -404,7 +404,7 @@ class RunController:
         )
         for member, answer in zip(members, answers):
             for line in answer["cache"]:
-                self.log.info(line)
+                self.log.detail(line)
             if first and answer["compile_s"] > 0:
                 who = f"{member.slot.component}:{member.slot.rank}"
                 self.clock.record(f"compile/{who}", answer["compile_s"])

@@ -141,6 +141,11 @@ class RunLog:
         self._append(DRIVER_LOG, line)
         self._append(MAIN_LOG, f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}")
 
+    def detail(self, line: str) -> None:
+        """A line for log/main.log only (start-up phases, compile cache): too fine for the
+        Driver's console."""
+        self._append(MAIN_LOG, f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}")
+
     def info(self, line: str) -> None:
         """A log line of the run: main.log and driver.log."""
         stamped = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}"

@@ -102,6 +102,11 @@ class Worker:
         model = load_causal_lm(path, dtype, self.device)
         self.startup["model_load"] = time.perf_counter() - start
         if self.device.type == "cuda":  # where the components compile (actor.compile)
+            # The compiler stack takes seconds to import: now, while the other components
+            # load, not in the actor's build or step 1.
+            import torch._dynamo  # noqa: F401
+            import torch._inductor.compile_fx  # noqa: F401
+
             self.compile_cache = compile_cache.for_model(
                 self.cfg.compile_cache_root, self.component, model, self.device
             )

@@ -1,13 +1,13 @@
 """Rollout: sample `group_size` answers per prompt with the current policy.
 
-Two engines (`rollout.engine`): the library's static-cache sampler (engines/static.py: preallocated KV
-cache, CUDA-graph decode; the default for Qwen2/Llama/Mistral models) and transformers'
-batched, KV-cached `generate`. Prompts are left-padded so every answer starts at one column.
+The answers come from a rollout engine (engines/rollout_engine.py, `rollout.engine`): the
+library's static-cache sampler (engines/static.py: preallocated KV cache, CUDA-graph decode; the
+default for Qwen2, Qwen3, Llama and Mistral models) or transformers' `generate`
+(engines/hf_generate.py). Prompts are left-padded so every answer starts at one column.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -15,12 +15,9 @@ import torch
 
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.engines.models import SequenceBatch, dtype_for, load_tokenizer
-from rlinf_twoworker.engines.static import SamplingSettings, StaticSampler, unsupported_reason
-from rlinf_twoworker.errors import TwoWorkerError
+from rlinf_twoworker.engines.rollout_engine import SamplingSettings, choose_engine
 from rlinf_twoworker.messages import Rollout
 from rlinf_twoworker.workers.base import PolicyCopy
-
-logger = logging.getLogger(__name__)
 
 
 def left_pad(
@@ -54,29 +51,26 @@ class RolloutWorker(PolicyCopy):
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         eos_ids = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos_ids = sorted({i for i in [eos, *eos_ids] if i is not None})
-        self.static = self._use_static_sampler()
-        self.samplers: dict[tuple[int, int], StaticSampler] = {}
-
-    def _use_static_sampler(self) -> bool:
-        """rollout.engine: 'static' when the static sampler can run this model over a whole
-        sequence (raises otherwise), 'auto' falls back to hf with a warning, 'hf' never."""
-        engine = self.cfg.rollout.engine
-        if engine == "hf":
-            return False
         # Prompts are cut to max_prompt_length, so every sampler is built for this length.
-        max_len = self.cfg.data.max_prompt_length + self.cfg.max_new_tokens
-        reason = unsupported_reason(self.model, max_len)
-        if reason is None:
-            return True
-        where = f"rollout rank {self.rank}, model {self.cfg.rollout.model.model_path}"
-        if engine == "static":
-            raise TwoWorkerError(
-                f"rollout.engine=static ({where}): {reason}; use rollout.engine=hf"
-            )
-        logger.warning(
-            "rollout.engine=auto uses hf, transformers' generate (%s): %s", where, reason
-        )
-        return False
+        max_len = cfg.data.max_prompt_length + cfg.max_new_tokens
+        where = f"rollout rank {rank}, model {cfg.rollout.model.model_path}"
+        self.engine = choose_engine(cfg.rollout.engine, self.model, max_len, where)
+
+    @property
+    def static(self) -> bool:
+        """Whether the static-cache sampler generates (rollout.engine static, or auto on a
+        model it supports)."""
+        return self.engine.name == "static"
+
+    def receive_weights(self, sync_dtype: str) -> dict[str, float]:
+        got = super().receive_weights(sync_dtype)
+        self.engine.weights_loaded()
+        return got
+
+    def import_weights(self, handles: list, sync_dtype: str) -> dict[str, float]:
+        got = super().import_weights(handles, sync_dtype)
+        self.engine.weights_loaded()
+        return got
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         """The sampling settings for either engine, every one passed explicitly: generate()
@@ -102,7 +96,7 @@ class RolloutWorker(PolicyCopy):
         rows = [p for p in prompts for _ in range(group)]
         pad_id = self.tokenizer.pad_token_id
         # A fixed prompt width keeps the static sampler's shapes (and its CUDA graph) constant.
-        width = self.cfg.data.max_prompt_length if self.static else None
+        width = self.cfg.data.max_prompt_length if self.engine.fixed_prompt_width else None
         ids, mask = left_pad(rows, pad_id, width)
         torch.manual_seed(seed)
         outputs = []
@@ -131,19 +125,6 @@ class RolloutWorker(PolicyCopy):
     def _generate_chunk(self, ids: torch.Tensor, mask: torch.Tensor, pad_id: int) -> torch.Tensor:
         kwargs = self._sampling_kwargs()
         max_new = kwargs.pop("max_new_tokens")
-        if self.static:
-            shape = (ids.shape[0], ids.shape[1] + max_new)
-            if shape not in self.samplers:
-                self.samplers[shape] = StaticSampler(self.model, *shape)
-            return self.samplers[shape].generate(
-                ids, mask, max_new, self.eos_ids, pad_id, SamplingSettings(**kwargs)
-            )
-        out = self.model.generate(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            eos_token_id=self.eos_ids,
-            pad_token_id=pad_id,
-            max_new_tokens=max_new,
-            **kwargs,
+        return self.engine.generate(
+            ids, mask, max_new, self.eos_ids, pad_id, SamplingSettings(**kwargs)
         )
-        return out[:, ids.shape[1] :].cpu()
