@@ -80,9 +80,28 @@ def test_two_step_run_end_to_end(cluster_2x2, inputs, tmp_path):
     actor_gpus = [r["gpu_ids"] for r in topology if r["component"] == "actor"]
     assert actor_gpus[0] != actor_gpus[1]
 
+    # Every component process's memory, every step (host memory here: a CPU run).
+    for step in (step1, step2):
+        for row in topology:
+            prefix = f"memory/{row['component']}/{row['rank']}/"
+            rss, peak = (
+                step.metrics[prefix + "host_rss_gib"],
+                step.metrics[prefix + "host_peak_rss_gib"],
+            )
+            assert 0.01 < rss <= peak < 64, (prefix, rss, peak)
+            assert prefix + "gpu_peak_allocated_gib" not in step.metrics  # no GPU to report
+    assert (
+        step2.metrics["memory/actor/1/host_rss_gib"] > step2.metrics["memory/reward/0/host_rss_gib"]
+    )
+
     report = handle.result(timeout=TIMEOUT)
     assert report.passed, report.errors
     assert handle.done() and handle.status()["state"] == "succeeded"
+    assert "memory/actor/0/host_rss_gib" in handle.status()["metrics"]
+    # The postflight keeps each process's peak over the run.
+    assert set(report.memory_peaks) == {k for k in step2.metrics if k.startswith("memory/")}
+    for tag, peak in report.memory_peaks.items():
+        assert peak == pytest.approx(max(step1.metrics[tag], step2.metrics[tag]), rel=1e-6), tag
     run_dir = tmp_path / "e2e"
     for rel in (
         "driver.log",

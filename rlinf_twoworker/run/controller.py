@@ -375,6 +375,22 @@ class RunController:
         with self.clock.phase("weight_sync"):
             await sync_weights(group, self.cfg)  # rollout and inference start from the actor
 
+    async def _memory_metrics(self, group: ComponentGroup) -> dict[str, float]:
+        """Every component process's memory during the step just done, as
+        memory/<component>/<rank>/<what> in GiB (GPU peaks on GPUs, host memory everywhere)."""
+        members = group.all()
+        reports = await group.call_each(
+            members,
+            "memory_report",
+            timeout=self.cfg.runner.timeouts.collective_s,
+            stage="memory report",
+        )
+        return {
+            f"memory/{m.slot.component}/{m.slot.rank}/{what}": value
+            for m, report in zip(members, reports)
+            for what, value in report.items()
+        }
+
     async def _log_component_startup(self, group: ComponentGroup) -> None:
         """Each component's model load and compile-cache state, into the start-up record."""
         members = group.all()
@@ -459,6 +475,7 @@ class RunController:
                     )
                     result.timings["time/validation"] = val.pop("time/validation")
                     result.metrics.update(val)
+                result.metrics.update(await self._memory_metrics(group))
                 self.last, self.last_step = {**result.metrics, **result.timings}, step
                 writer.write(step, self.last)
                 self.log.info(_step_line(step, self.total_steps, result))

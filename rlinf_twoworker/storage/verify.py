@@ -226,6 +226,8 @@ class VerificationReport:
     placement: dict = field(default_factory=dict)
     """Component -> {"spec", "resource_ranks", "nodes"} from the resolved config."""
     actor_fsdp_shards: int = 0
+    memory_peaks: dict[str, float] = field(default_factory=dict)
+    """memory/<component>/<rank>/<what> -> the largest value of any step (GiB)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe: non-finite metric values become the strings 'nan', 'inf', '-inf'."""
@@ -481,6 +483,11 @@ def _check_metrics(run_dir: Path, report: VerificationReport, expected: Expected
             "(RLinf logs nothing for the final step, so a run needs >= 2 steps)"
         ]
     scalars = read_scalars(files)
+    report.memory_peaks = {
+        tag: max(series.values())
+        for tag, series in sorted(scalars.items())
+        if tag.startswith("memory/") and series
+    }
     errors = []
     for tag in expected.required_tags:
         if not scalars.get(tag):

@@ -40,6 +40,28 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+GIB = 2**30
+
+
+def process_memory(device: torch.device | None) -> dict[str, float]:
+    """This process's memory, in GiB: host RSS now and its peak since the process started
+    and, on a GPU, the peak allocated and reserved by PyTorch since the last report (the
+    peaks are reset, so each report covers one step)."""
+    import resource
+
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    # Linux reports ru_maxrss in KiB; the kernel's high-water mark can trail the current RSS.
+    peak = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    out = {"host_rss_gib": rss / GIB, "host_peak_rss_gib": peak / GIB}
+    if device is not None and device.type == "cuda":
+        out["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        out["gpu_peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+        torch.cuda.reset_peak_memory_stats(device)
+    return out
+
+
 class _Tee:
     """A text stream that also writes to a log file (per-worker logs keep what the process
     prints as well as its log records)."""
@@ -112,6 +134,10 @@ class Worker:
             )
             self.compile_cache.load()
         return model
+
+    def memory_report(self) -> dict[str, float]:
+        """This process's memory since the last report (process_memory)."""
+        return process_memory(self.device)
 
     def startup_report(self) -> dict[str, Any]:
         """What this process's start-up took and what its compile cache did."""

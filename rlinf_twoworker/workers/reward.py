@@ -310,6 +310,12 @@ class RewardWorker:
     def ping(self) -> bool:
         return True
 
+    def memory_report(self) -> dict[str, float]:
+        """Host memory of this process (the grading processes are its children, not counted)."""
+        from rlinf_twoworker.workers.base import process_memory
+
+        return process_memory(None)
+
     def startup_report(self) -> dict[str, Any]:
         """The grading processes' start; no model, nothing compiled."""
         return {"seconds": dict(self.startup), "cache": []}
