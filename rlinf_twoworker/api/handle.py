@@ -191,12 +191,18 @@ def run_grpo_two_worker(
     ray_address: str | None = None,
     overrides: Sequence[str] = (),
     component_classes: dict[str, type] | None = None,
+    placement_group: Any = None,
 ) -> RunHandle:
     """Start a GRPO run on the connected (or given) Ray cluster; returns at once with a handle.
 
-    `overrides` are recorded in hydra/.hydra/overrides.yaml. `component_classes` replaces a
-    component's class (tests inject failing ones). The config becomes the typed GRPOConfig
-    here, once; the handle and the controller take it as it is."""
+    `placement_group`: None (the run creates its own STRICT_SPREAD group and removes it at the
+    end), a placement group the caller created, or "current": the group the calling task or
+    actor runs in (a Ray Tune trial's, say). A caller's group must be STRICT_SPREAD with
+    cluster.num_nodes bundles of cluster.num_gpus_per_node GPUs, bundle 0 on the caller's node,
+    and its GPUs free (the caller itself holding none); it is checked here, and the run never
+    removes it. `overrides` are recorded in hydra/.hydra/overrides.yaml. `component_classes`
+    replaces a component's class (tests inject failing ones). The config becomes the typed
+    GRPOConfig here, once; the handle and the controller take it as it is."""
     called_at = time.time()
     cfg = OmegaConf.structured(cfg) if isinstance(cfg, GRPOConfig) else cfg.copy()
     typed = to_typed(cfg)
@@ -207,6 +213,7 @@ def run_grpo_two_worker(
     run_dir = run_dir_of(output_root, typed.runner.experiment_name)
     refuse_existing(run_dir)
     connect(ray_address, typed)
+    callers_group = _callers_group(placement_group, typed)  # before anything is written
     run_dir = create_run_dir(cfg, typed, overrides)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -223,7 +230,7 @@ def run_grpo_two_worker(
             max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
         )
-        .remote(cfg, typed, str(run_dir), component_classes, called_at)
+        .remote(cfg, typed, str(run_dir), component_classes, called_at, callers_group)
     )
     try:
         ray.get(controller.start.remote(), timeout=typed.runner.timeouts.actor_start_s)
@@ -231,3 +238,39 @@ def run_grpo_two_worker(
         raise TwoWorkerError(f"the run controller did not start on this node: {exc}") from exc
     where = f"{ray.util.get_node_ip_address()} node {here[:8]}"
     return RunHandle(controller, cfg, typed, run_dir, controller_node=where)
+
+
+def _callers_group(placement_group: Any, typed: GRPOConfig) -> Any:
+    """The caller's placement group, checked against the config (None: the run makes its own)."""
+    if placement_group is None:
+        return None
+    from rlinf_twoworker.cluster.placement import callers_group_problems
+
+    if isinstance(placement_group, str):
+        if placement_group != "current":
+            raise TwoWorkerError(
+                f"placement_group={placement_group!r}: give a placement group, 'current' or None"
+            )
+        placement_group = ray.util.get_current_placement_group()
+        if placement_group is None:
+            raise TwoWorkerError(
+                "placement_group='current', but the caller does not run in a placement group; "
+                "schedule the calling task or actor in one (PlacementGroupSchedulingStrategy), "
+                "pass the group itself, or leave placement_group unset"
+            )
+    timeout = typed.runner.timeouts.placement_s
+    ready, _ = ray.wait([placement_group.ready()], timeout=timeout)
+    if not ready:
+        raise TwoWorkerError(
+            f"the caller's placement group {placement_group.id.hex()[:8]} was not ready within "
+            f"{timeout:g} s (runner.timeouts.placement_s); check that the cluster can place it"
+        )
+    here = ray.get_runtime_context().get_node_id()
+    problems = callers_group_problems(placement_group, typed.cluster, here)
+    if problems:
+        raise TwoWorkerError(
+            f"the caller's placement group {placement_group.id.hex()[:8]} does not fit the "
+            f"config: {'; '.join(problems)}. Create it as the config asks (or change "
+            "cluster.num_nodes / cluster.num_gpus_per_node), or leave placement_group unset"
+        )
+    return placement_group

@@ -67,6 +67,37 @@ def placement_timeout_error(cluster: ClusterConfig, name: str, timeout_s: float)
     )
 
 
+def callers_group_problems(pg: PlacementGroup, cluster: ClusterConfig, here: str) -> list[str]:
+    """What in a placement group the caller owns differs from what the config asks for (every
+    difference, empty when it fits): STRICT_SPREAD, cluster.num_nodes bundles of
+    cluster.num_gpus_per_node GPUs each, bundle 0 on the caller's node `here`."""
+    from ray.util.placement_group import placement_group_table
+
+    table = placement_group_table(pg)
+    bundles = table.get("bundles") or {}
+    nodes = table.get("bundles_to_node_id") or {}
+    problems = []
+    if table.get("strategy") != "STRICT_SPREAD":
+        problems.append(
+            f"strategy is {table.get('strategy')}, not STRICT_SPREAD (one node per bundle)"
+        )
+    if len(bundles) != cluster.num_nodes:
+        problems.append(f"{len(bundles)} bundles, not cluster.num_nodes={cluster.num_nodes}")
+    gpus = [float(bundles[i].get("GPU", 0)) for i in sorted(bundles)]
+    wrong = [f"bundle {i}: {g:g}" for i, g in enumerate(gpus) if g != cluster.num_gpus_per_node]
+    if wrong:
+        problems.append(
+            f"GPUs per bundle are not cluster.num_gpus_per_node={cluster.num_gpus_per_node} "
+            f"({', '.join(wrong)})"
+        )
+    if nodes and nodes.get(0) != here:
+        problems.append(
+            f"bundle 0 is on node {str(nodes.get(0))[:8]}, not on the caller's node {here[:8]} "
+            "(the Head's components and the run's controller live with the caller)"
+        )
+    return problems
+
+
 def create_placement_group(cluster: ClusterConfig, name: str, timeout_s: float) -> PlacementGroup:
     """Request the group and wait for it; on timeout remove it and raise PlacementError."""
     import ray

@@ -82,9 +82,11 @@ class RunController:
         run_dir: str,
         classes: dict | None = None,
         called_at: float | None = None,
+        callers_group: Any = None,
     ) -> None:
         """`called_at`: time.time() when run_grpo_two_worker was called (start-up is timed
-        from there)."""
+        from there). `callers_group`: a placement group the caller owns, checked already; the
+        run uses it and never removes it."""
         self.raw_cfg = cfg  # as given: what the config notes and the placement record read
         self.cfg = typed
         self.run_dir = Path(run_dir)
@@ -103,6 +105,7 @@ class RunController:
         self.group: ComponentGroup | None = None
         self.watch: Watch | None = None
         self.pg: Any = None
+        self.callers_group = callers_group
         self.task: asyncio.Task | None = None
         self.state = "pending"
         self.phase = "starting"
@@ -258,11 +261,16 @@ class RunController:
         name = f"{self.run_id}:pg"
         self.phase = "placement"
         with clock.phase("placement"):
-            self.pg = request_placement_group(cfg.cluster, name)  # set first: release finds it
+            if self.callers_group is not None:  # the caller's: never ours to remove
+                pg = self.callers_group
+                self.log.info(f"PLACEMENT_GROUP the caller's {pg.id.hex()[:8]} (not removed)")
+            else:
+                self.pg = pg = request_placement_group(cfg.cluster, name)  # release finds it
             try:
-                await asyncio.wait_for(self.pg.ready(), timeouts.placement_s)
+                await asyncio.wait_for(pg.ready(), timeouts.placement_s)
             except asyncio.TimeoutError:
                 raise placement_timeout_error(cfg.cluster, name, timeouts.placement_s) from None
+        self.pg = pg
         places = await asyncio.to_thread(_bundle_places, self.pg)
         self.bundle_nodes = [p["node_id"] for p in places]
         self.placement_f.set(self.pg)
@@ -551,7 +559,7 @@ class RunController:
     def _release(self) -> None:
         if self.group is not None:
             self.group.kill()
-        if self.pg is not None:
+        if self.pg is not None and self.pg is not self.callers_group:
             wait_removed(self.pg)
 
 

@@ -1,0 +1,109 @@
+"""A run inside a placement group its caller owns: a group passed in, the calling task's own
+group ("current"), and groups that do not fit the config (refused by name, nothing written).
+A real 2-node cluster, real groups; the run never removes a group it did not create."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group, placement_group_table
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlinf_twoworker import run_grpo_two_worker
+from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.cluster.placement import bundle_node_ids, wait_removed
+from rlinf_twoworker.errors import TwoWorkerError
+
+TIMEOUT = 600
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return make_inputs(tmp_path_factory.mktemp("inputs"))
+
+
+def _group(strategy: str = "STRICT_SPREAD", gpus: float = 2, bundles: int = 2):
+    """A group as a caller (a Tune trial, a program that reserved its GPUs) would make it,
+    bundle 0 on this node."""
+    here = ray.get_runtime_context().get_node_id()
+    pg = placement_group(
+        [{"GPU": gpus, "CPU": 1} for _ in range(bundles)],
+        strategy=strategy,
+        bundle_label_selector=[{"ray.io/node-id": here}] + [{}] * (bundles - 1),
+    )
+    assert ray.get(pg.ready(), timeout=60) is not None
+    return pg
+
+
+def test_a_run_in_the_callers_group_leaves_the_group_to_the_caller(cluster_2x2, inputs, tmp_path):
+    pg = _group()
+    try:
+        handle = run_grpo_two_worker(demo_config(inputs, tmp_path, "callers"), placement_group=pg)
+        report = handle.result(timeout=TIMEOUT)
+        assert report.passed, report.errors
+        assert handle.placement_group.id == pg.id
+        nodes = bundle_node_ids(pg)
+        assert {row["node_id"] for row in handle.topology()} <= set(nodes)
+        # Released what it made (its actors), not the caller's group.
+        assert placement_group_table(pg)["state"] == "CREATED"
+        log = (tmp_path / "callers/log/main.log").read_text()
+        assert f"PLACEMENT_GROUP the caller's {pg.id.hex()[:8]} (not removed)" in log
+
+        # The caller can use its group again at once: the run gave its GPUs back.
+        @ray.remote(num_gpus=2, num_cpus=0)
+        def holds_the_gpus() -> list:
+            return ray.get_gpu_ids()
+
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1)
+        gpus = holds_the_gpus.options(scheduling_strategy=strategy).remote()
+        assert len(ray.get(gpus, timeout=60)) == 2
+    finally:
+        wait_removed(pg)
+
+
+def test_current_takes_the_group_the_calling_task_runs_in(cluster_2x2, inputs, tmp_path):
+    pg = _group()
+    cfg = demo_config(inputs, tmp_path, "current")
+
+    @ray.remote(num_cpus=0)
+    def trial(cfg) -> tuple[bool, list, str]:
+        handle = run_grpo_two_worker(cfg, placement_group="current")
+        report = handle.result(timeout=TIMEOUT)
+        return report.passed, report.errors, handle.placement_group.id.hex()
+
+    try:
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+        passed, errors, used = ray.get(
+            trial.options(scheduling_strategy=strategy).remote(cfg), timeout=TIMEOUT
+        )
+        assert passed, errors
+        assert used == pg.id.hex()
+        assert placement_group_table(pg)["state"] == "CREATED"
+    finally:
+        wait_removed(pg)
+    with pytest.raises(TwoWorkerError, match="does not run in a placement group"):
+        # The Driver runs in none.
+        run_grpo_two_worker(demo_config(inputs, tmp_path, "nogroup"), placement_group="current")
+    assert not (tmp_path / "nogroup").exists()
+
+
+@pytest.mark.parametrize(
+    ("group", "named"),
+    [
+        ({"strategy": "SPREAD"}, "strategy is SPREAD, not STRICT_SPREAD"),
+        (
+            {"gpus": 1},
+            r"GPUs per bundle are not cluster.num_gpus_per_node=2 \(bundle 0: 1, bundle 1: 1\)",
+        ),
+        ({"bundles": 1}, "1 bundles, not cluster.num_nodes=2"),
+    ],
+)
+def test_a_group_that_does_not_fit_is_refused_by_name(cluster_2x2, inputs, tmp_path, group, named):
+    pg = _group(**group)
+    try:
+        with pytest.raises(TwoWorkerError, match=f"does not fit the config: .*{named}"):
+            run_grpo_two_worker(demo_config(inputs, tmp_path, "misfit"), placement_group=pg)
+        assert not (tmp_path / "misfit").exists()  # refused before anything was written
+        assert placement_group_table(pg)["state"] == "CREATED"
+    finally:
+        wait_removed(pg)
