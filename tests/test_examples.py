@@ -73,3 +73,39 @@ def test_embed_example_feeds_step_futures_to_its_own_tasks(cluster_2x2, tmp_path
     shard_bytes = next(line for line in out if line.startswith("EMBED_CHECKPOINT shard_bytes="))
     assert int(shard_bytes.split("=")[1]) > 0
     assert "postflight: passed" in out
+
+
+def _text(cell) -> str:
+    """Everything a cell printed or displayed, as text (HTML included)."""
+    parts = []
+    for output in cell.get("outputs", []):
+        parts.append(output.get("text", ""))
+        data = output.get("data", {})
+        parts += [data.get("text/html", ""), data.get("text/plain", "")]
+    return "".join(p if isinstance(p, str) else "".join(p) for p in parts)
+
+
+def test_the_notebook_runs_on_a_local_kernel(tmp_path):
+    """examples/notebook.ipynb, executed cell by cell on a real Jupyter kernel (nbclient): a
+    demo run watched step by step, its rewards plotted, its checkpoint awaited, its handle
+    shown as HTML, and a second run cancelled."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(EXAMPLES / "notebook.ipynb", as_version=4)
+    client = NotebookClient(
+        notebook, timeout=TIMEOUT, kernel_name="python3", resources={"metadata": {"path": tmp_path}}
+    )
+    client.execute()
+    code = [c for c in notebook.cells if c.cell_type == "code"]
+    shown = _text(code[1])
+    assert "<table><caption>RunHandle</caption>" in shown and "notebook-demo" in shown
+    steps = [line for line in _text(code[2]).splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in steps] == ["step 1", "step 2", "step 3"]
+    assert any("image/png" in o.get("data", {}) for o in code[3].outputs)  # the reward plot
+    assert "global_step_3" in _text(code[4]) and ".distcp" in _text(code[4])
+    final = _text(code[5])
+    assert "succeeded" in final and "3 of 3" in final and "checkpoints</th><td" in final
+    assert "cancelled" in _text(code[6])
+    run_dir = tmp_path / "notebook-work/runs/notebook-demo"
+    assert (run_dir / "verification.json").is_file()

@@ -134,6 +134,67 @@ class RunHandle:
             f"{status['total_steps']}, output_dir='{self.output_dir}')"
         )
 
+    def _repr_html_(self) -> str:
+        """The handle in a notebook: run id, state, phase, steps, the last step's main
+        metrics, the complete checkpoints and the directory."""
+        import html
+
+        try:
+            status = self.status()
+        except Exception as exc:  # never raise from a repr
+            return f"<pre>{html.escape(repr(self))} ({html.escape(type(exc).__name__)})</pre>"
+        metrics = status["metrics"]
+        shown = {
+            "reward": metrics.get("rollout/reward_scores"),
+            "loss": metrics.get("actor/training/actor/final_loss"),
+            "grad norm": metrics.get("actor/training/actor/grad_norm"),
+            "step seconds": metrics.get("time/step"),
+        }
+        last = ", ".join(f"{k} {v:.4g}" for k, v in shown.items() if v is not None)
+        rows = [
+            ("run", self.run_id),
+            ("state", f"{status['state']} ({status['phase']})"),
+            ("steps done", f"{status['steps_done']} of {status['total_steps']}"),
+            (f"step {status['metrics_step']}", last or "-"),
+            ("checkpoints", ", ".join(map(str, ckpt.complete_steps(self.output_dir))) or "-"),
+            ("directory", str(self.output_dir)),
+        ]
+        if status["error"]:
+            rows.append(("error", status["error"]))
+        cells = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
+            f"<td style='text-align:left'>{html.escape(str(v))}</td></tr>"
+            for k, v in rows
+        )
+        return f"<table><caption>RunHandle</caption>{cells}</table>"
+
+    def wait(self, progress: bool = True, timeout: float | None = None, poll_s: float = 1.0) -> Any:
+        """Block until the run ends and return its VerificationReport (as `result`), showing a
+        progress bar of the steps (tqdm.auto: a widget in a notebook, text elsewhere)."""
+        if not progress:
+            return self.result(timeout=timeout)
+        from tqdm.auto import tqdm
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        status = self.status()
+        with tqdm(total=status["total_steps"], desc=self.run_id, unit="step") as bar:
+            while not self.done():
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"run {self.run_id} still running after {timeout:g} s")
+                status = self.status()
+                bar.total = status["total_steps"]
+                bar.update(status["steps_done"] - bar.n)
+                reward = status["metrics"].get("rollout/reward_scores")
+                bar.set_postfix_str(
+                    status["phase"] + ("" if reward is None else f", reward {reward:+.3f}")
+                )
+                time.sleep(poll_s)
+            status = self.status()
+            bar.update(status["steps_done"] - bar.n)
+            bar.set_postfix_str(status["state"])
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self.result(timeout=remaining)
+
     def topology(self) -> list[dict[str, Any]]:
         """Component, rank, bundle, node id, node IP and GPU ids of every process; raises
         TwoWorkerError (saying the phase) before the components have started."""
