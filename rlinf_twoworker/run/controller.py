@@ -410,9 +410,8 @@ class RunController:
         )
         for member, report in zip(members, reports):
             who = f"{member.slot.component}:{member.slot.rank}"
-            for part, seconds in report["seconds"].items():
-                name = {"model_load": "load", "grader_start": "grader_start"}.get(part, part)
-                self.clock.record(f"{name}/{who}", seconds)
+            for part, seconds in report["seconds"].items():  # load, grader_start
+                self.clock.record(f"{part}/{who}", seconds)
             for line in report["cache"]:
                 self.log.detail(line)
 

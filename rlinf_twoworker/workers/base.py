@@ -118,11 +118,11 @@ class Worker:
         torch.manual_seed(cfg.actor.seed + rank)
 
     def load_model(self, path: str, dtype: torch.dtype) -> Any:
-        """Load the model (timed: startup['model_load']) and, on GPUs, this component's entry of
+        """Load the model (timed: startup['load']) and, on GPUs, this component's entry of
         the shared compile cache before anything is compiled."""
         start = time.perf_counter()
         model = load_causal_lm(path, dtype, self.device)
-        self.startup["model_load"] = time.perf_counter() - start
+        self.startup["load"] = time.perf_counter() - start
         if self.device.type == "cuda":  # where the components compile (actor.compile)
             # The compiler stack takes seconds to import: now, while the other components
             # load, not in the actor's build or step 1.
