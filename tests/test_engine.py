@@ -102,6 +102,20 @@ def test_two_step_run_end_to_end(cluster_2x2, inputs, tmp_path):
     assert set(report.memory_peaks) == {k for k in step2.metrics if k.startswith("memory/")}
     for tag, peak in report.memory_peaks.items():
         assert peak == pytest.approx(max(step1.metrics[tag], step2.metrics[tag]), rel=1e-6), tag
+    # The memory plan of every GPU-holding process, estimated before the start, beside them
+    # (the reward grades on CPUs: no estimate).
+    assert set(report.memory_estimates) == {
+        f"memory/{r['component']}/{r['rank']}/plan_estimate_gib"
+        for r in topology
+        if r["component"] != "reward"
+    }
+    assert all(0 < v < 1 for v in report.memory_estimates.values())  # a tiny model, no budget
+    plan_lines = [
+        line
+        for line in (tmp_path / "e2e" / "log" / "main.log").read_text().splitlines()
+        if "MEMORY_PLAN node" in line
+    ]
+    assert len(plan_lines) == 4 and all("no budget known: fits" in x for x in plan_lines)
     run_dir = tmp_path / "e2e"
     for rel in (
         "driver.log",

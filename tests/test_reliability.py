@@ -66,15 +66,16 @@ def marker(run_id: str, what: str) -> Path:
 
 
 class StallingActor(ActorWorker):
-    """From the second update on, the ranks in `stall_ranks` leave a marker and sleep instead
-    of training; a rank that does not stall enters the update's collectives and waits there."""
+    """From the second step's update on, the ranks in `stall_ranks` leave a marker and sleep
+    instead of training; a rank that does not stall enters the update's collectives and waits
+    there. Counted in minibatches: a pipelined step calls train_step once a minibatch."""
 
     stall_ranks: tuple[int, ...] = (0, 1)
 
     def train_step(self, shards):
-        self.updates = getattr(self, "updates", 0) + 1
+        self.minibatches = getattr(self, "minibatches", 0) + len(shards)
         run_id = self.cfg.runner.experiment_name
-        if self.updates >= 2:
+        if self.minibatches > self.cfg.algorithm.n_minibatches:
             marker(run_id, f"actor{self.rank}.entered").touch()
             if self.rank in self.stall_ranks:
                 marker(run_id, f"actor{self.rank}.stalled").touch()
@@ -100,6 +101,19 @@ class CrashInCheckpoint(ActorWorker):
                 os.fsync(handle.fileno())
             os.kill(os.getpid(), signal.SIGKILL)
         return super().save_checkpoint(path)
+
+
+class OutOfMemoryActor(ActorWorker):
+    """Actor rank 1 asks the allocator for more memory than the machine has at its second
+    update (a real allocation failure, as when another process took the GPU's memory)."""
+
+    def train_step(self, shards):
+        self.updates = getattr(self, "updates", 0) + 1
+        if self.updates == 2 and self.rank == 1:
+            import torch
+
+            torch.empty(2**48, dtype=torch.uint8)
+        return super().train_step(shards)
 
 
 class GatedRollout(RolloutWorker):
@@ -325,6 +339,29 @@ def test_crash_mid_checkpoint_leaves_only_the_staging_dir_which_resume_ignores(
         resumer = demo_config(inputs, tmp_path, "resumer", [f"runner.resume_dir={source}"])
         found = ckpt.resume_source(to_typed(resumer), tmp_path / "resumer")
         assert found == checkpoints / "global_step_1", source
+    assert_released(run_id)
+
+
+def test_out_of_memory_names_the_step_and_the_plans_estimate_and_keeps_checkpoints(
+    cluster_2x2, inputs, tmp_path
+):
+    run_id = "oom"
+    cfg = demo_config(inputs, tmp_path, run_id, ["runner.max_steps=3", "runner.save_interval=1"])
+    handle = run_grpo_two_worker(cfg, component_classes={"actor": OutOfMemoryActor})
+    first = ray.get(handle.checkpoint(1), timeout=TIMEOUT)
+    before = digests(Path(first.directory))
+    with pytest.raises(ComponentError) as failed:
+        handle.result(timeout=TIMEOUT)
+    error = failed.value
+    assert (error.component, error.rank) == ("actor", 1), error
+    assert error.node and "step 2 actor update" in error.cause
+    assert "out of memory at step 2: the memory plan estimated actor:1" in error.cause
+    assert "optimizer" in error.cause and "runner.resume_dir=auto" in error.cause
+    checkpoints = tmp_path / run_id / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["global_step_1"]
+    assert digests(Path(first.directory)) == before
+    failure = json.loads((tmp_path / run_id / "failure.json").read_text())
+    assert "the memory plan estimated actor:1" in json.dumps(failure)
     assert_released(run_id)
 
 

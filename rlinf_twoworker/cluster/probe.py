@@ -154,6 +154,7 @@ class NodeProbe:
 
     def _check_gpus(self, cfg: GRPOConfig, r: dict[str, Any], fail: Callable) -> None:
         r.update(gpu_count=0, gpu_names=[], compute_capabilities=[], driver_version=None)
+        r["gpu_memory"] = []
         r["cuda_available"] = False
         if cfg.cluster.accelerator != "cuda":
             r["gpu_note"] = "no GPU (cluster.accelerator=cpu): GPU checks skipped"
@@ -169,6 +170,12 @@ class NodeProbe:
         r["gpu_names"] = [torch.cuda.get_device_name(i) for i in range(count)]
         caps = [torch.cuda.get_device_capability(i) for i in range(count)]
         r["compute_capabilities"] = [f"{a}.{b}" for a, b in caps]
+        # What each GPU has free now, for the memory plan (this probe's own context included,
+        # so the plan is checked against slightly less than the components will find).
+        r["gpu_memory"] = [
+            dict(zip(("free_bytes", "total_bytes"), torch.cuda.mem_get_info(i), strict=True))
+            for i in range(count)
+        ]
         pre, want = cfg.cluster.preflight, cfg.cluster.num_gpus_per_node
         if count != want:
             fail("GPU count", count, f"cluster.num_gpus_per_node is {want}: fix it or the node")

@@ -112,6 +112,11 @@ class ClusterConfig:
     """'cuda' (NCCL) or 'cpu' (gloo; GPUs are logical Ray resources only)."""
     cpus_per_bundle: int = 1
     """CPUs each bundle reserves besides its GPUs."""
+    max_gpu_memory_gb: float | None = None
+    """The most memory a run may plan to use on each GPU, in GiB (what nvidia-smi and card
+    labels call GB: a 40 GB A100 is 40). None: the free memory the preflight sees on each GPU.
+    The memory plan (cluster/memory_plan.py) refuses a run that would not fit, before any
+    model loads; on CPU runs it checks the GPU plan against this budget when it is set."""
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
 
     def __post_init__(self) -> None:
@@ -133,6 +138,12 @@ class ClusterConfig:
             "cluster.cpus_per_bundle",
             self.cpus_per_bundle,
             "must be >= 0",
+        )
+        _require(
+            self.max_gpu_memory_gb is None or self.max_gpu_memory_gb > 0,
+            "cluster.max_gpu_memory_gb",
+            self.max_gpu_memory_gb,
+            "must be null (the free memory of each GPU) or > 0",
         )
 
 
@@ -594,9 +605,11 @@ class ActorConfig:
     enable_offload: bool = False
     mixed_precision: bool = True
     """On GPUs: FSDP2 bf16 parameters with fp32 gradient reduction (master weights stay fp32)."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | None = None
     """Recompute each decoder layer's activations in the backward pass (less memory, one more
-    forward of compute). actor.fsdp_config.gradient_checkpointing, when set, decides."""
+    forward of compute). None: off, unless the memory plan finds that an actor's GPU fits only
+    with it (it then turns it on and says so in main.log). actor.fsdp_config.
+    gradient_checkpointing, when set, decides."""
     compile: bool = True
     """On GPUs: each decoder layer's forward and the log-softmax of the log-probs run through
     torch.compile (fused elementwise kernels; the first update pays the compilation); the
@@ -614,6 +627,11 @@ class ActorConfig:
     @property
     def recompute(self) -> bool:
         """Whether decoder-layer activations are recomputed in the backward pass."""
+        return bool(self.recompute_choice)
+
+    @property
+    def recompute_choice(self) -> bool | None:
+        """The user's choice of activation recompute, None when left to the memory plan."""
         rlinf = self.fsdp_config.gradient_checkpointing
         return self.activation_checkpointing if rlinf is None else rlinf
 

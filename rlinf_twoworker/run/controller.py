@@ -18,6 +18,15 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlinf_twoworker.cluster.memory_plan import (
+    MemoryPlan,
+    explain_oom,
+    free_by_resource_rank,
+    model_shapes,
+    refusal,
+    settle_plan,
+    write_plan,
+)
 from rlinf_twoworker.cluster.placement import (
     bundle_node_ids,
     placement_timeout_error,
@@ -118,6 +127,7 @@ class RunController:
         self.started_at = time.time()
         self.components_ready = False  # every component answered (topology is known)
         self.clock = StartupClock(self.log.detail, called_at)
+        self.memory_plan: MemoryPlan | None = None
 
     # ---- the handle's view -------------------------------------------------------------
     async def start(self) -> bool:
@@ -241,7 +251,8 @@ class RunController:
         except BaseException as exc:  # every failure must resolve the futures
             watchdog.cancel()
             failure = (exc, "failed")
-            failure = (await root_cause(self.watch, exc, self._poll_s), "failed")
+            cause = await root_cause(self.watch, exc, self._poll_s)
+            failure = (explain_oom(cause, self.memory_plan, self.current_step), "failed")
         finally:
             watchdog.cancel()
             if self.watch is not None:
@@ -276,6 +287,8 @@ class RunController:
         self.placement_f.set(self.pg)
         self.phase = "preflight"
         probe = (self.classes or {}).get("probe", NodeProbe)  # tests inject a slow one
+        shapes = asyncio.ensure_future(asyncio.to_thread(model_shapes, cfg))  # alongside
+        shapes.add_done_callback(lambda t: t.cancelled() or t.exception())  # read below
         with clock.phase("preflight"):  # the probes hold the bundles' GPUs while they run
             report = await preflight(cfg, self.pg, self.run_dir, self.log.status, probe_cls=probe)
         self.preflight_f.set(report)
@@ -287,6 +300,9 @@ class RunController:
         self.phase = "loading data"
         with clock.phase("data"):
             await self._load_data()  # bad data fails the run here, before any model is loaded
+        self.phase = "memory plan"
+        with clock.phase("memory_plan"):  # refused here, before any model loads
+            self.memory_plan = await self._plan_memory(shapes, report.nodes)
         self.phase = "loading components"
         group = ComponentGroup(
             cfg, self.run_id, placement, self.pg, self.classes, bundle_nodes=places
@@ -306,6 +322,27 @@ class RunController:
                 f"COMPONENT {row.component}:{row.rank} bundle={row.bundle} "
                 f"node={row.node_id[:8]} ip={row.node_ip} gpus={row.gpu_ids}"
             )
+
+    async def _plan_memory(self, shapes: asyncio.Future, nodes: list[dict]) -> MemoryPlan:
+        """Each GPU's estimated need against what the preflight saw free (cluster/memory_plan.py),
+        logged and written to memory_plan.json; a plan that does not fit is refused."""
+        cfg = self.cfg
+        try:
+            found = await shapes
+        except Exception as exc:
+            raise TwoWorkerError(
+                f"memory plan: cannot read the models' configs ({type(exc).__name__}: {exc}); "
+                "check config.json in each *.model.model_path directory"
+            ) from exc
+        cuda = cfg.cluster.accelerator == "cuda"
+        free = free_by_resource_rank(nodes, cfg.cluster.num_gpus_per_node) if cuda else None
+        plan, notes = settle_plan(cfg, cfg.placement, found, free)
+        for line in [*notes, *plan.lines()]:
+            self.log.info(line)
+        await asyncio.to_thread(write_plan, plan, self.run_dir / "memory_plan.json")
+        if plan.too_big():
+            raise refusal(plan, cfg)
+        return plan
 
     async def _load_data(self) -> None:
         """The training samples, the run's step count (the earlier of runner.max_steps and

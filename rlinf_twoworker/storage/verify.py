@@ -228,6 +228,9 @@ class VerificationReport:
     actor_fsdp_shards: int = 0
     memory_peaks: dict[str, float] = field(default_factory=dict)
     """memory/<component>/<rank>/<what> -> the largest value of any step (GiB)."""
+    memory_estimates: dict[str, float] = field(default_factory=dict)
+    """memory/<component>/<rank>/plan_estimate_gib -> the memory plan's estimate for that
+    process (memory_plan.json; CUDA context included), beside the measured peaks."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe: non-finite metric values become the strings 'nan', 'inf', '-inf'."""
@@ -474,6 +477,19 @@ def _resolved_placement(spec: Any, gpus_per_node: Any, record: dict) -> dict:
     return resolved
 
 
+def _memory_estimates(run_dir: Path) -> dict[str, float]:
+    """The memory plan's estimate of each process, keyed as its measured peaks are."""
+    try:
+        plan = json.loads((run_dir / "memory_plan.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # a run from before the plan, or an unreadable file
+        return {}
+    return {
+        f"memory/{p['component']}/{p['rank']}/plan_estimate_gib": p["estimate_gib"]
+        for gpu in plan.get("gpus", [])
+        for p in gpu.get("processes", [])
+    }
+
+
 def _check_metrics(run_dir: Path, report: VerificationReport, expected: Expected) -> list[str]:
     directory = tensorboard_dir(run_dir)
     files = event_files(run_dir)
@@ -488,6 +504,7 @@ def _check_metrics(run_dir: Path, report: VerificationReport, expected: Expected
         for tag, series in sorted(scalars.items())
         if tag.startswith("memory/") and series
     }
+    report.memory_estimates = _memory_estimates(run_dir)
     errors = []
     for tag in expected.required_tags:
         if not scalars.get(tag):

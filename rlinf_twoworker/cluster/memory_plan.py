@@ -1,0 +1,437 @@
+"""The memory plan: each GPU's need, estimated before any model is loaded, against what it has.
+
+From the model's config (parameters counted on the meta device by transformers), the
+placement, the batch, `runner.seq_length` and the settings (precision, FSDP sharding, the
+optimiser's state, the rollout's KV cache, activations with or without recompute), every
+component process gets an estimate by part; the processes that share a GPU are added up and
+compared with that GPU's budget: the free memory the preflight probe saw there, capped by
+`cluster.max_gpu_memory_gb`. A GPU that does not fit is refused before any model loads, naming
+the GPU, its components, the estimate by part and the settings that would make it fit.
+
+The activation and logit coefficients are calibrated on an H200 (benchmarks/RESULTS.md,
+"Memory plan"); everything else is exact arithmetic on sizes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.config.placement import Placement
+from rlinf_twoworker.errors import TwoWorkerError
+
+GIB = 1024**3
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+CUDA_CONTEXT = int(0.6 * GIB)
+"""A CUDA process's context and kernels, outside PyTorch's allocator (about 0.5 GiB on H200s)."""
+SLACK = 0.10
+"""The caching allocator's fragmentation and library workspaces, on top of the parts."""
+ACTIVATIONS_COMPILED = (7, 3)
+"""(a, b): a decoder layer keeps about a x hidden + b x intermediate values per token for its
+backward when its forward is compiled (fused norms and SwiGLU)..."""
+ACTIVATIONS_EAGER = (16, 6)
+"""...and about this many when it runs eagerly (float32 norm copies, unfused SwiGLU)."""
+LOGIT_BYTES_TRAIN = 5
+"""Bytes per (token, vocabulary entry) of the actor's logits, log-softmax and their gradient."""
+LOGIT_BYTES_FORWARD = 6
+"""The same for a forward without gradients (bf16 logits and a float32 log-softmax chunk)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: int
+    embedding_params: int
+    """The input embedding and an untied output head (kept gathered by FSDP's root unit)."""
+    layer_params: int
+    """The largest decoder layer."""
+    layers: int
+    hidden: int
+    intermediate: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of one token over every layer, per byte of the cache's dtype."""
+        return 2 * self.layers * self.kv_heads * self.head_dim
+
+
+def model_shape(model_dir: str | Path) -> ModelShape:
+    """The shape of the causal LM in `model_dir`, its parameters counted on the meta device
+    (no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    embedding = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is not model.get_input_embeddings().weight:
+        embedding += head.weight.numel()
+    decoder = model.base_model.layers
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    return ModelShape(
+        params=params,
+        embedding_params=embedding,
+        layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in decoder),
+        layers=len(decoder),
+        hidden=text.hidden_size,
+        intermediate=text.intermediate_size,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        vocab=text.vocab_size,
+    )
+
+
+@dataclass
+class ProcessPlan:
+    """One component process's estimate, in bytes by part."""
+
+    component: str
+    rank: int
+    resource_rank: int
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def line(self) -> str:
+        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items() if v)
+        return f"{self.component}:{self.rank} {self.total / GIB:.2f} GiB ({parts})"
+
+
+@dataclass
+class GpuPlan:
+    resource_rank: int
+    node_rank: int
+    local_gpu: int
+    processes: list[ProcessPlan]
+    budget: int | None = None
+    """Bytes it may use: the free memory the preflight saw, capped by the configured budget."""
+    budget_source: str = ""
+
+    @property
+    def total(self) -> int:
+        return sum(p.total for p in self.processes)
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.total <= self.budget
+
+    def where(self) -> str:
+        names = "+".join(f"{p.component}:{p.rank}" for p in self.processes)
+        return f"node {self.node_rank} GPU {self.local_gpu} (resource rank {self.resource_rank}: {names})"
+
+
+@dataclass
+class MemoryPlan:
+    gpus: list[GpuPlan]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        out = []
+        for gpu in self.gpus:
+            budget = (
+                "no budget known"
+                if gpu.budget is None
+                else f"of {gpu.budget / GIB:.1f} GiB ({gpu.budget_source})"
+            )
+            verdict = "fits" if gpu.fits else "DOES NOT FIT"
+            out.append(f"MEMORY_PLAN {gpu.where()}: {gpu.total / GIB:.1f} GiB {budget}: {verdict}")
+            out += [f"MEMORY_PLAN   {p.line()}" for p in gpu.processes]
+        return out
+
+    def too_big(self) -> list[GpuPlan]:
+        return [gpu for gpu in self.gpus if not gpu.fits]
+
+    def estimate(self, component: str, rank: int) -> ProcessPlan | None:
+        for gpu in self.gpus:
+            for p in gpu.processes:
+                if (p.component, p.rank) == (component, rank):
+                    return p
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "settings": self.settings,
+            "gpus": [
+                {
+                    "resource_rank": g.resource_rank,
+                    "node_rank": g.node_rank,
+                    "local_gpu": g.local_gpu,
+                    "estimate_gib": round(g.total / GIB, 3),
+                    "budget_gib": None if g.budget is None else round(g.budget / GIB, 3),
+                    "processes": [
+                        {
+                            "component": p.component,
+                            "rank": p.rank,
+                            "estimate_gib": round(p.total / GIB, 3),
+                            "parts_gib": {k: round(v / GIB, 3) for k, v in p.parts.items()},
+                        }
+                        for p in g.processes
+                    ],
+                }
+                for g in self.gpus
+            ],
+        }
+
+
+def _cap(tokens_budget: int, min_rows: int, rows: int, seq: int) -> int:
+    """Most tokens one micro-batch holds: as many rows as fit in the budget at the narrowest
+    width that still fills it, at least min_rows full-width rows, never more than all rows."""
+    return min(rows * seq, max(tokens_budget, min_rows * seq))
+
+
+def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool) -> dict[str, int]:
+    """One FSDP actor rank: its shard of the master weights, gradients and Adam's two moments,
+    the layers gathered for compute, one micro-batch's activations and logits."""
+    gpu = cfg.cluster.accelerator == "cuda"
+    master = BYTES[cfg.actor.model.precision] if gpu else 4
+    compute = 2 if gpu and cfg.actor.mixed_precision else master
+    runner, algo = cfg.runner, cfg.algorithm
+    seq = runner.seq_length
+    rows = cfg.data.rollout_batch_size * algo.group_size // algo.n_minibatches // ranks
+    if runner.enable_dynamic_batch_size:
+        tokens = _cap(runner.max_tokens_per_mbs, 1, rows, seq)
+    elif runner.micro_batch_tokens:
+        tokens = _cap(runner.micro_batch_tokens, algo.training_batch_size_per_gpu, rows, seq)
+    else:
+        tokens = min(rows, algo.training_batch_size_per_gpu) * seq
+    a, b = ACTIVATIONS_COMPILED if gpu and cfg.actor.compile else ACTIVATIONS_EAGER
+    per_layer = compute * (a * shape.hidden + b * shape.intermediate)
+    if recompute:  # every layer's input kept, one layer's activations at a time
+        activations = tokens * (shape.layers * compute * shape.hidden + per_layer)
+    else:
+        activations = tokens * shape.layers * per_layer
+    shard = -(-shape.params // ranks)
+    return {
+        "weights": shard * master,
+        "gradients": shard * 4 if gpu and cfg.actor.mixed_precision else shard * master,
+        "optimizer": shard * 2 * 4,  # Adam's moments in float32
+        "gathered": (shape.embedding_params + 2 * shape.layer_params) * compute,
+        "activations": activations,
+        "logits": tokens * shape.vocab * LOGIT_BYTES_TRAIN,
+    }
+
+
+def logprob_parts(cfg: GRPOConfig, shape: ModelShape, precision: str) -> dict[str, int]:
+    """The inference (or reference) copy: its weights and one log-prob micro-batch."""
+    gpu = cfg.cluster.accelerator == "cuda"
+    size = BYTES[precision] if gpu else 4
+    runner, algo = cfg.runner, cfg.algorithm
+    rows = cfg.data.rollout_batch_size * algo.group_size
+    tokens = _cap(
+        runner.logprob_micro_batch_tokens,
+        algo.logprob_forward_micro_batch_size,
+        rows,
+        runner.seq_length,
+    )
+    if not runner.logprob_micro_batch_tokens:
+        tokens = min(rows, algo.logprob_forward_micro_batch_size) * runner.seq_length
+    return {
+        "weights": shape.params * size,
+        "activations": tokens * size * (4 * shape.hidden + 3 * shape.intermediate),
+        "logits": tokens * shape.vocab * LOGIT_BYTES_FORWARD,
+    }
+
+
+def rollout_parts(cfg: GRPOConfig, shape: ModelShape) -> dict[str, int]:
+    """The rollout copy: its weights, the KV cache of the rows decoded together, the prefill's
+    activations and the sampler's logits."""
+    gpu = cfg.cluster.accelerator == "cuda"
+    size = BYTES[cfg.rollout.model.precision] if gpu else 4
+    rows = cfg.data.rollout_batch_size * cfg.algorithm.group_size
+    slots = min(rows, cfg.rollout.max_batch_size)
+    seq, prompt = cfg.runner.seq_length, cfg.data.max_prompt_length
+    return {
+        "weights": shape.params * size,
+        "kv_cache": slots * seq * shape.kv_bytes_per_token * size,
+        "activations": slots * prompt * size * (4 * shape.hidden + 3 * shape.intermediate),
+        "logits": slots * shape.vocab * 4 * 3,
+    }
+
+
+def process_parts(
+    cfg: GRPOConfig, component: str, shapes: Mapping[str, ModelShape], ranks: int, recompute: bool
+) -> dict[str, int]:
+    """A component process's estimate by part (the reward grades on CPUs: nothing)."""
+    if component == "actor":
+        parts = actor_parts(cfg, shapes["actor"], ranks, recompute)
+    elif component == "inference":
+        parts = logprob_parts(cfg, shapes["inference"], cfg.inference.model.precision)
+    elif component == "reference":
+        parts = logprob_parts(cfg, shapes["actor"], cfg.inference.model.precision)
+    elif component == "rollout":
+        parts = rollout_parts(cfg, shapes["rollout"])
+    else:
+        return {}
+    parts["allocator_slack"] = int(SLACK * sum(parts.values()))
+    if cfg.cluster.accelerator == "cuda":
+        parts["cuda_context"] = CUDA_CONTEXT
+    return parts
+
+
+def plan_memory(
+    cfg: GRPOConfig,
+    placement: Placement,
+    shapes: Mapping[str, ModelShape],
+    free: Mapping[int, int] | None = None,
+    recompute: bool | None = None,
+) -> MemoryPlan:
+    """The plan of every GPU. `shapes`: model section ('actor', 'rollout', 'inference') ->
+    its shape; `free`: resource rank -> free bytes the preflight saw (None: unknown, as on CPU
+    runs); `recompute`: the actor's activation recompute (None: as the config says)."""
+    recompute = cfg.actor.recompute if recompute is None else recompute
+    ranks = len(placement.of("actor"))
+    cap = cfg.cluster.max_gpu_memory_gb
+    gpus: dict[int, GpuPlan] = {}
+    for slot in placement.slots:
+        parts = process_parts(cfg, slot.component, shapes, ranks, recompute)
+        if not parts:
+            continue
+        gpu = gpus.setdefault(
+            slot.resource_rank,
+            GpuPlan(slot.resource_rank, slot.bundle, slot.local_gpu, []),
+        )
+        gpu.processes.append(ProcessPlan(slot.component, slot.rank, slot.resource_rank, parts))
+    for gpu in gpus.values():
+        seen = None if free is None else free.get(gpu.resource_rank)
+        limits = []
+        if seen is not None:
+            limits.append((seen, "free at preflight"))
+        if cap is not None:
+            limits.append((int(cap * GIB), "cluster.max_gpu_memory_gb"))
+        if limits:
+            gpu.budget, gpu.budget_source = min(limits)
+    settings = {"actor_recompute": recompute, "actor_ranks": ranks}
+    return MemoryPlan(sorted(gpus.values(), key=lambda g: g.resource_rank), settings)
+
+
+def free_by_resource_rank(nodes: list[dict[str, Any]], gpus_per_node: int) -> dict[int, int]:
+    """The preflight's per-GPU free memory (probe.py's gpu_memory), by resource rank."""
+    free: dict[int, int] = {}
+    for node in nodes:
+        for i, gpu in enumerate(node.get("gpu_memory") or []):
+            free[node["node_rank"] * gpus_per_node + i] = int(gpu["free_bytes"])
+    return free
+
+
+def model_shapes(cfg: GRPOConfig) -> dict[str, ModelShape]:
+    """The shape of each model section's model, each directory read once."""
+    from rlinf_twoworker import components
+
+    by_dir: dict[str, ModelShape] = {}
+    shapes = {}
+    for key, path in components.model_paths(cfg):
+        if path not in by_dir:
+            by_dir[path] = model_shape(path)
+        shapes[key.split(".")[0]] = by_dir[path]
+    return shapes
+
+
+def refusal(plan: MemoryPlan, cfg: GRPOConfig) -> TwoWorkerError:
+    """The error of a plan that does not fit: each GPU over its budget, by part, and what to
+    change."""
+    lines = ["the memory plan does not fit (estimated before loading any model):"]
+    for gpu in plan.too_big():
+        assert gpu.budget is not None
+        lines.append(
+            f"  {gpu.where()}: needs about {gpu.total / GIB:.1f} GiB, has "
+            f"{gpu.budget / GIB:.1f} GiB ({gpu.budget_source})"
+        )
+        lines += [f"    {p.line()}" for p in gpu.processes]
+    lines.append("  to make it fit: " + "; ".join(remedies(plan, cfg)))
+    return TwoWorkerError("\n".join(lines))
+
+
+def remedies(plan: MemoryPlan, cfg: GRPOConfig) -> list[str]:
+    """Settings that lower the largest parts of the GPUs that do not fit."""
+    biggest: dict[str, int] = {}
+    for gpu in plan.too_big():
+        for p in gpu.processes:
+            for part, size in p.parts.items():
+                key = f"{p.component}.{part}"
+                biggest[key] = max(biggest.get(key, 0), size)
+    advice = {
+        "actor.activations": "actor.activation_checkpointing=true or a lower "
+        "runner.micro_batch_tokens",
+        "actor.logits": "a lower runner.micro_batch_tokens",
+        "actor.optimizer": "more actor ranks (cluster.component_placement.actor over more GPUs)",
+        "actor.weights": "more actor ranks (cluster.component_placement.actor over more GPUs)",
+        "rollout.kv_cache": "a lower rollout.max_batch_size or runner.seq_length",
+        "inference.logits": "a lower runner.logprob_micro_batch_tokens",
+        "reference.logits": "a lower runner.logprob_micro_batch_tokens",
+        "inference.activations": "a lower runner.logprob_micro_batch_tokens",
+    }
+    out: list[str] = []
+    for key, _ in sorted(biggest.items(), key=lambda kv: -kv[1]):
+        hint = advice.get(key)
+        if hint and hint not in out:
+            out.append(hint)
+    out.append("or put the components on separate GPUs, or free the GPU")
+    if cfg.cluster.max_gpu_memory_gb is not None:
+        out.append(f"or raise cluster.max_gpu_memory_gb ({cfg.cluster.max_gpu_memory_gb:g})")
+    return out
+
+
+def settle_plan(
+    cfg: GRPOConfig,
+    placement: Placement,
+    shapes: Mapping[str, ModelShape],
+    free: Mapping[int, int] | None,
+) -> tuple[MemoryPlan, list[str]]:
+    """The run's plan and what it decided: where the actor's activation recompute is left to
+    the plan (actor.activation_checkpointing null) and the GPUs fit only with it, it is turned
+    on in `cfg` (before the components are started with it)."""
+    plan = plan_memory(cfg, placement, shapes, free)
+    if not plan.too_big() or cfg.actor.recompute_choice is not None:
+        return plan, []
+    with_recompute = plan_memory(cfg, placement, shapes, free, recompute=True)
+    if with_recompute.too_big():
+        return plan, []
+    cfg.actor.activation_checkpointing = True
+    where = "; ".join(gpu.where() for gpu in plan.too_big())
+    note = (
+        "MEMORY_PLAN actor activation recompute turned on (actor.activation_checkpointing "
+        f"is null and {where} fits only with it; set it to false to refuse instead)"
+    )
+    return with_recompute, [note]
+
+
+def explain_oom(exc: BaseException, plan: MemoryPlan | None, step: int) -> BaseException:
+    """A component's out-of-memory failure, with the plan's estimate for that process and what
+    to do; any other error unchanged."""
+    from rlinf_twoworker.errors import ComponentError
+
+    if not isinstance(exc, ComponentError) or plan is None:
+        return exc
+    cause = exc.cause.lower()
+    if "out of memory" not in cause and "can't allocate memory" not in cause:
+        return exc
+    estimate = plan.estimate(exc.component, exc.rank)
+    gpu = next((g for g in plan.gpus if estimate in g.processes), None)
+    if estimate is None or gpu is None:
+        return exc
+    budget = "" if gpu.budget is None else f" of {gpu.budget / GIB:.1f} GiB ({gpu.budget_source})"
+    told = (
+        f"{exc.cause} [out of memory at step {step}: the memory plan estimated "
+        f"{estimate.line()}, and {gpu.total / GIB:.1f} GiB{budget} for {gpu.where()}; if "
+        "another process took that GPU's memory (nvidia-smi lists them), free it; else lower "
+        "the largest part (runner.micro_batch_tokens, actor.activation_checkpointing=true, "
+        "rollout.max_batch_size) or set cluster.max_gpu_memory_gb to leave room; the run's "
+        "completed checkpoints are intact and runner.resume_dir=auto continues from the last]"
+    )
+    return ComponentError(exc.component, exc.rank, exc.node, told)
+
+
+def write_plan(plan: MemoryPlan, path: Path) -> None:
+    path.write_text(json.dumps(plan.to_dict(), indent=2) + "\n", encoding="utf-8")

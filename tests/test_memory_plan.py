@@ -1,0 +1,187 @@
+"""The memory plan: its arithmetic against sizes computed by hand for a tiny model, the
+refusal of a plan that does not fit (named GPU, parts, what to do), the recompute it turns on,
+and a real run refused before any component starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import ray
+
+from rlinf_twoworker import run_grpo_two_worker
+from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.cluster import memory_plan as mp
+from rlinf_twoworker.cluster.connect import NAMESPACE
+from rlinf_twoworker.config import load_config, to_typed
+from rlinf_twoworker.errors import ComponentError, TwoWorkerError
+
+GIB = 1024**3
+# Tiny Qwen2, sizes by hand: embedding 64 x 16 and an untied head of the same size; a layer is
+# q 16x16+16, k and v 16x8+8 each (2 KV heads of 4), o 16x16, MLP 3 x 16x32, two norms of 16.
+LAYER = (256 + 16) + 2 * (128 + 8) + 256 + 3 * 16 * 32 + 2 * 16
+PARAMS = 2 * 64 * 16 + 2 * LAYER + 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    directory = tmp_path_factory.mktemp("tiny-qwen2")
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def gpu_config(model: Path, *overrides: str):
+    """The starting config's settings on GPUs (2 x 2 placement), with `model` everywhere."""
+    paths = [f"{s}.model.model_path={model}" for s in ("actor", "rollout", "inference")]
+    return to_typed(load_config(None, [*paths, *overrides]))
+
+
+def test_the_shape_is_counted_from_the_model_config(tiny):
+    shape = mp.model_shape(tiny)
+    assert shape.params == PARAMS == 6800
+    assert shape.embedding_params == 2048 and shape.layer_params == LAYER == 2368
+    assert (shape.layers, shape.hidden, shape.intermediate, shape.vocab) == (2, 16, 32, 64)
+    assert shape.kv_bytes_per_token == 2 * 2 * 2 * 4  # K and V, 2 layers, 2 heads of 4
+
+
+def test_each_part_matches_the_hand_computed_size(tiny):
+    cfg = gpu_config(tiny)
+    shape = mp.model_shape(tiny)
+    actor = mp.actor_parts(cfg, shape, ranks=2, recompute=False)
+    # 16 rows / 4 minibatches / 2 ranks = 2 rows of 1024 tokens in one micro-batch (budget 4096).
+    per_layer = 2 * (7 * 16 + 3 * 32)  # bf16 x (7 hidden + 3 intermediate), compiled layers
+    assert actor == {
+        "weights": 3400 * 4,  # fp32 master shard
+        "gradients": 3400 * 4,
+        "optimizer": 3400 * 8,
+        "gathered": (2048 + 2 * LAYER) * 2,
+        "activations": 2048 * 2 * per_layer,
+        "logits": 2048 * 64 * mp.LOGIT_BYTES_TRAIN,
+    }
+    recomputed = mp.actor_parts(cfg, shape, ranks=2, recompute=True)
+    assert recomputed["activations"] == 2048 * (2 * 2 * 16 + per_layer)
+    rollout = mp.rollout_parts(cfg, shape)
+    assert rollout == {
+        "weights": PARAMS * 2,
+        "kv_cache": 16 * 1024 * 32 * 2,  # 16 rows decoded together over 1024 tokens, bf16
+        "activations": 16 * 256 * 2 * (4 * 16 + 3 * 32),
+        "logits": 16 * 64 * 12,
+    }
+    inference = mp.logprob_parts(cfg, shape, "bf16")
+    assert inference["weights"] == PARAMS * 2
+    assert inference["logits"] == 16 * 1024 * 64 * mp.LOGIT_BYTES_FORWARD  # all 16 rows fit
+    # A smaller token budget cuts the micro-batch, whole rows at a time.
+    small = gpu_config(tiny, "runner.micro_batch_tokens=1024")
+    assert mp.actor_parts(small, shape, 2, False)["logits"] == 1024 * 64 * mp.LOGIT_BYTES_TRAIN
+
+
+def test_processes_sharing_a_gpu_add_up_and_the_budget_is_the_smaller_limit(tiny):
+    cfg = gpu_config(tiny, "cluster.max_gpu_memory_gb=40")
+    shapes = {s: mp.model_shape(tiny) for s in ("actor", "rollout", "inference")}
+    plan = mp.plan_memory(cfg, cfg.placement, shapes, free={0: 10 * GIB, 1: 80 * GIB})
+    by_rank = {g.resource_rank: g for g in plan.gpus}
+    assert sorted(by_rank) == [0, 1, 2, 3]  # the reward grades on CPUs: no GPU of its own
+    assert [p.component for p in by_rank[0].processes] == ["rollout"]
+    rollout = by_rank[0].processes[0]
+    parts = mp.rollout_parts(cfg, shapes["rollout"])
+    assert rollout.parts["allocator_slack"] == int(mp.SLACK * sum(parts.values()))
+    assert rollout.parts["cuda_context"] == mp.CUDA_CONTEXT
+    assert (by_rank[0].budget, by_rank[0].budget_source) == (10 * GIB, "free at preflight")
+    assert (by_rank[1].budget, by_rank[1].budget_source) == (40 * GIB, "cluster.max_gpu_memory_gb")
+    assert by_rank[2].budget == 40 * GIB and plan.too_big() == []
+    colocated = gpu_config(
+        tiny,
+        "cluster.num_nodes=1",
+        "cluster.num_gpus_per_node=1",
+        "cluster.component_placement={rollout:0,inference:0,reward:0,actor:0}",
+    )
+    one = mp.plan_memory(colocated, colocated.placement, shapes).gpus
+    assert len(one) == 1 and [p.component for p in one[0].processes] == [
+        "rollout",
+        "inference",
+        "actor",
+    ]
+    assert one[0].total == sum(p.total for p in one[0].processes)
+
+
+def test_a_plan_that_does_not_fit_is_refused_naming_gpu_parts_and_remedies(tiny):
+    cfg = gpu_config(tiny)
+    shapes = {s: mp.model_shape(tiny) for s in ("actor", "rollout", "inference")}
+    plan = mp.plan_memory(cfg, cfg.placement, shapes, free={0: 64 * 1024**2, 1: 80 * GIB})
+    assert [g.resource_rank for g in plan.too_big()] == [0]  # 64 MiB < the CUDA context alone
+    error = str(mp.refusal(plan, cfg))
+    assert "node 0 GPU 0 (resource rank 0: rollout:0)" in error
+    assert "has 0.1 GiB (free at preflight)" in error
+    assert "kv_cache" in error and "cuda_context" in error
+    assert "rollout.max_batch_size" in error and "free the GPU" in error
+    assert "node 0 GPU 1" not in error  # the GPU that fits is not blamed
+    line = next(x for x in plan.lines() if "resource rank 0" in x)
+    assert line.startswith("MEMORY_PLAN node 0 GPU 0") and line.endswith("DOES NOT FIT")
+
+
+def test_the_plan_turns_recompute_on_only_when_it_is_left_to_it_and_needed(tiny):
+    shapes = {s: mp.model_shape(tiny) for s in ("actor", "rollout", "inference")}
+    cfg = gpu_config(tiny, "runner.micro_batch_tokens=16384", "data.rollout_batch_size=64")
+    without = mp.plan_memory(cfg, cfg.placement, shapes, recompute=False).gpus[2].total
+    with_it = mp.plan_memory(cfg, cfg.placement, shapes, recompute=True).gpus[2].total
+    assert with_it < without
+    between = {0: 80 * GIB, 1: 80 * GIB, 2: (with_it + without) // 2, 3: (with_it + without) // 2}
+    plan, notes = mp.settle_plan(cfg, cfg.placement, shapes, between)
+    assert cfg.actor.activation_checkpointing is True and cfg.actor.recompute
+    assert plan.too_big() == [] and plan.settings["actor_recompute"] is True
+    assert "actor activation recompute turned on" in notes[0] and "node 1 GPU 0" in notes[0]
+    chosen = gpu_config(
+        tiny,
+        "runner.micro_batch_tokens=16384",
+        "data.rollout_batch_size=64",
+        "actor.activation_checkpointing=false",
+    )
+    plan, notes = mp.settle_plan(chosen, chosen.placement, shapes, between)
+    assert notes == [] and plan.too_big() and chosen.actor.recompute is False  # refused instead
+
+
+def test_out_of_memory_errors_carry_the_plans_estimate(tiny):
+    cfg = gpu_config(tiny)
+    shapes = {s: mp.model_shape(tiny) for s in ("actor", "rollout", "inference")}
+    plan = mp.plan_memory(cfg, cfg.placement, shapes, free={r: 80 * GIB for r in range(4)})
+    oom = ComponentError("actor", 1, "node-b", "step 2 actor update: CUDA out of memory. Tried")
+    told = mp.explain_oom(oom, plan, step=2)
+    assert isinstance(told, ComponentError) and (told.component, told.rank) == ("actor", 1)
+    assert "out of memory at step 2" in told.cause and "actor:1" in told.cause
+    assert "node 1 GPU 1" in told.cause and "optimizer" in told.cause
+    assert "nvidia-smi" in told.cause and "runner.resume_dir=auto" in told.cause
+    other = ComponentError("actor", 1, "node-b", "step 2 actor update: ValueError")
+    assert mp.explain_oom(other, plan, 2) is other
+
+
+def test_a_run_whose_plan_does_not_fit_fails_before_any_component_starts(cluster_2x2, tmp_path):
+    inputs = make_inputs(tmp_path / "inputs")
+    cfg = demo_config(inputs, tmp_path, "too-big", ["cluster.max_gpu_memory_gb=0.0001"])
+    handle = run_grpo_two_worker(cfg)
+    with pytest.raises(TwoWorkerError) as refused:
+        handle.result(timeout=300)
+    message = str(refused.value)
+    assert "the memory plan does not fit" in message
+    assert "cluster.max_gpu_memory_gb" in message and "actor:0" in message
+    run_dir = tmp_path / "too-big"
+    plan = json.loads((run_dir / "memory_plan.json").read_text())
+    assert {g["budget_gib"] for g in plan["gpus"]} == {0.0}
+    main_log = (run_dir / "log" / "main.log").read_text()
+    assert "MEMORY_PLAN" in main_log and "DOES NOT FIT" in main_log
+    assert (run_dir / "preflight.json").exists()  # the preflight ran; nothing after it did
+    assert handle.status()["state"] == "failed"
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    started = [a for a in actors if a["namespace"] == NAMESPACE and "too-big:" in a["name"]]
+    assert not [a for a in started if ":controller:" not in a["name"]], started
