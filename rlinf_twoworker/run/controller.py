@@ -37,7 +37,7 @@ from rlinf_twoworker.config import GRPOConfig, config_notes
 from rlinf_twoworker.engines.models import load_tokenizer
 from rlinf_twoworker.errors import RunCancelledError, TwoWorkerError
 from rlinf_twoworker.results import CheckpointInfo, StepResult
-from rlinf_twoworker.run import checkpointing
+from rlinf_twoworker.run import checkpointing, ray_metrics
 from rlinf_twoworker.run.group import ComponentGroup
 from rlinf_twoworker.run.liveness import Watch, liveness_error, root_cause
 from rlinf_twoworker.run.startup import StartupClock
@@ -234,6 +234,7 @@ class RunController:
         failure: tuple[BaseException, str] | None = None
         try:
             self.state = "running"
+            ray_metrics.export_state(self.run_id, self.state)
             for note in config_notes(self.raw_cfg, self.cfg):
                 self.log.info(f"CONFIG_NOTE {note}")
             await self._setup()
@@ -241,6 +242,7 @@ class RunController:
             watchdog.cancel()  # before the components are released on purpose
             report = await self._finish()
             self.state = "succeeded" if report.passed else "failed"
+            ray_metrics.export_state(self.run_id, self.state)
             self.phase = "done"
             self.result_f.set(report)
         except asyncio.CancelledError:
@@ -522,6 +524,7 @@ class RunController:
                 result.metrics.update(await self._memory_metrics(group))
                 self.last, self.last_step = {**result.metrics, **result.timings}, step
                 writer.write(step, self.last)
+                ray_metrics.export_step(self.run_id, step, self.last)
                 self.log.info(_step_line(step, self.total_steps, result))
                 self.steps_done = step
                 self._step_future(step).set(result)
@@ -581,6 +584,7 @@ class RunController:
     # ---- failure and clean-up ----------------------------------------------------------------
     def _fail(self, exc: BaseException, state: str) -> None:
         self.error, self.state = exc, state
+        ray_metrics.export_state(self.run_id, state)
         detail = "".join(traceback.format_exception(exc)) if state == "failed" else str(exc)
         summary = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         self.log.info(f"RUN_{state.upper()} error={type(exc).__name__}: {summary}")
