@@ -89,9 +89,12 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -
     archs = getattr(config, "architectures", None) or []
     if archs and not any(a.endswith("ForCausalLM") for a in archs):
         raise TwoWorkerError(f"model in {path} is {archs}, not a causal LM (…ForCausalLM)")
+    # On GPUs the weights go from the files straight to the device (accelerate's device map):
+    # no full copy in host memory, no random initialisation of weights that are overwritten.
+    placement = {"device_map": {"": device}} if device.type == "cuda" else {}
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype, attn_implementation="sdpa"
+            str(path), dtype=dtype, attn_implementation="sdpa", **placement
         )
     except ValueError as exc:
         raise TwoWorkerError(f"model in {path} cannot be loaded as a causal LM: {exc}") from exc
