@@ -16,6 +16,7 @@ from rlinf_twoworker.engines.sampling import SamplingSettings
 class GenerateEngine:
     name = "hf"
     fixed_prompt_width = False
+    continuous = False  # the caller cuts the rows into chunks of rollout.max_batch_size
 
     def __init__(self, model: Any) -> None:
         self.model = model

@@ -6,8 +6,9 @@ parameters in place, then calls `weights_loaded()` so an engine that keeps deriv
 (fused projections, captured graphs) can check it still reads those parameters.
 
 Engines (each in its own module):
-  static  engines/static.py: the library's static-KV-cache sampler, CUDA-graph decode on GPUs
-          (Qwen2, Qwen3, Llama and Mistral models, full attention)
+  static  engines/static.py: the library's static-KV-cache sampler, continuous batching over
+          decode slots sized to memory, CUDA-graph decode on GPUs (Qwen2, Qwen3, Llama and
+          Mistral models, full attention)
   hf      engines/hf_generate.py: transformers' batched, KV-cached `generate` (any causal LM)
 `auto` takes static where it supports the model over the whole sequence, else hf with a warning.
 A new engine is a module with a class of this interface and a line in ENGINES; the engines
@@ -32,6 +33,11 @@ class RolloutEngine(Protocol):
     name: str
     fixed_prompt_width: bool
     """Whether prompts should always be padded to data.max_prompt_length (fixed shapes)."""
+    continuous: bool
+    """True: generate() takes every row of a rollout and bounds its own batch (static: at most
+    rollout.max_batch_size decode slots, and no more than fit in memory), giving a slot to the
+    next waiting row as soon as its answer ends. False: the caller cuts the rows into chunks
+    of rollout.max_batch_size, each decoded until its longest answer ends."""
 
     def generate(
         self,
@@ -43,7 +49,7 @@ class RolloutEngine(Protocol):
         settings: SamplingSettings,
     ) -> torch.Tensor:
         """Left-padded prompts [B, P] (with their attention mask) -> answers [B, <= max_new]
-        on the CPU, padded with pad_id after each row's EOS."""
+        on the CPU, in the rows' order, padded with pad_id after each row's EOS."""
         ...
 
     def weights_loaded(self) -> None:
@@ -51,38 +57,58 @@ class RolloutEngine(Protocol):
         ...
 
 
-def _static() -> tuple[Callable[[Any, int], str | None], Callable[[Any], RolloutEngine]]:
+Builder = Callable[..., RolloutEngine]
+"""builder(model, max_batch_size=..., memory_budget_bytes=..., where=...) -> an engine."""
+
+
+def _static() -> tuple[Callable[[Any, int], str | None], Builder]:
     from rlinf_twoworker.engines.static import StaticEngine, unsupported_reason
 
     return unsupported_reason, StaticEngine
 
 
-def _hf() -> tuple[Callable[[Any, int], str | None], Callable[[Any], RolloutEngine]]:
+def _hf() -> tuple[Callable[[Any, int], str | None], Builder]:
     from rlinf_twoworker.engines.hf_generate import GenerateEngine
 
-    return (lambda model, max_len: None), GenerateEngine
+    # generate sizes its cache per call and its caller chunks the rows (continuous=False): the
+    # batch and memory limits are not the engine's to apply.
+    return (lambda model, max_len: None), (lambda model, **limits: GenerateEngine(model))
 
 
-ENGINES: dict[str, Callable[[], tuple[Callable[[Any, int], str | None], Callable]]] = {
+ENGINES: dict[str, Callable[[], tuple[Callable[[Any, int], str | None], Builder]]] = {
     "static": _static,
     "hf": _hf,
 }
-"""name -> (why the engine cannot run a model over max_len tokens or None, its class)."""
+"""name -> (why the engine cannot run a model over max_len tokens or None, its builder)."""
 
 
-def choose_engine(choice: str, model: Any, max_len: int, where: str) -> RolloutEngine:
+def choose_engine(
+    choice: str,
+    model: Any,
+    max_len: int,
+    where: str,
+    max_batch_size: int | None = None,
+    memory_budget_bytes: int | None = None,
+) -> RolloutEngine:
     """The engine `rollout.engine=choice` asks for, for `model` over prompt + answer of
     `max_len` tokens. 'auto' falls back to hf (with a warning that says why) where static does
-    not support the model; a named engine that cannot run it raises, naming `where`."""
+    not support the model; a named engine that cannot run it raises, naming `where`.
+    `max_batch_size` (rollout.max_batch_size) and `memory_budget_bytes` bound a continuous
+    engine's decode slots (None: no bound beyond the rows and the free memory)."""
+    limits = {
+        "max_batch_size": max_batch_size,
+        "memory_budget_bytes": memory_budget_bytes,
+        "where": where,
+    }
     if choice == "auto":
         unsupported, engine = ENGINES["static"]()
         reason = unsupported(model, max_len)
         if reason is None:
-            return engine(model)
+            return engine(model, **limits)
         logger.warning(
             "rollout.engine=auto uses hf, transformers' generate (%s): %s", where, reason
         )
-        return ENGINES["hf"]()[1](model)
+        return ENGINES["hf"]()[1](model, **limits)
     if choice not in ENGINES:
         raise TwoWorkerError(
             f"rollout.engine={choice!r} ({where}) is not an engine; choose auto, "
@@ -92,7 +118,7 @@ def choose_engine(choice: str, model: Any, max_len: int, where: str) -> RolloutE
     reason = unsupported(model, max_len)
     if reason is not None:
         raise TwoWorkerError(f"rollout.engine={choice} ({where}): {reason}; use rollout.engine=hf")
-    return engine(model)
+    return engine(model, **limits)
 
 
 __all__ = ["ENGINES", "RolloutEngine", "SamplingSettings", "choose_engine"]

@@ -1,18 +1,32 @@
 """The `static` rollout engine: a static-KV-cache sampler for Qwen2/Qwen3/Llama-family models,
-with CUDA-graph decode on GPUs.
+with continuous batching and CUDA-graph decode on GPUs.
 
 `transformers`' `generate` is bound by Python and kernel-launch overhead at RL batch sizes. This
-sampler reuses the loaded model's own weights and rotary embedding but runs its own loop: the KV
-cache is preallocated for prompt + answer, every decode step has the same shapes, and on CUDA one
-decode step (token bookkeeping included) is captured once as a CUDA graph and replayed. A decode
-step is small-batch and bound by reading the weights, so it is built from few kernels: the q/k/v
-and gate/up projections run as one GEMM each (`fuse_projections`), decode attention reads the
-grouped KV cache in place (no per-head copies) and on GPUs the elementwise pieces (residual +
-RMSNorm, rotary, masked softmax, SwiGLU) are fused by `torch.compile`. Sampling (temperature,
-top-k, top-p, and HF's repetition penalty) stays on the GPU. Exactness: greedy decoding gives
-the same tokens as `generate`, with or without a repetition penalty, and sampling draws from
-softmax(logits / T) at every step (both tested). Qwen3's per-head RMSNorm of q and k runs
-before the rotary embedding, and its head_dim need not be hidden_size / heads. Attention is full
+sampler reuses the loaded model's own weights and rotary embedding but runs its own loop over a
+fixed set of decode slots. Each slot holds one answer at a time, with its own KV cache of
+prompt + answer columns, preallocated, and its own cache column and position, so every decode
+step has the same shapes; on CUDA one decode step (token bookkeeping included) is captured once
+as a CUDA graph and replayed. A step writes each slot's new key at that slot's column with a
+scatter (no host sync), and reads and writes only persistent buffers.
+
+Continuous batching: generate() takes every row of a rollout. It prefills the first rows into
+the slots and decodes; every CHECK_EVERY steps it takes the answers that ended (EOS, or
+max_new tokens), and prefills the next waiting rows into their slots: an eager forward of those
+rows alone, outside the graph, writing their prompt's keys into cache columns 0..P-1 of those
+slots and resetting their rows of the decode state. A long answer thus never idles the other
+slots, and rows beyond the slots decode in waves. The number of slots (StaticEngine) is
+min(rows, rollout.max_batch_size, what fits in free GPU memory; engines/kv_memory.py).
+
+A decode step is small-batch and bound by reading the weights and the cache, so it is built from
+few kernels (engines/static_kernels.py): the q/k/v and gate/up projections run as one GEMM each,
+decode attention reads the grouped KV cache in place (no per-head copies) and on GPUs the
+elementwise pieces (residual + RMSNorm, rotary, masked softmax, SwiGLU) are fused by
+`torch.compile`; a prefill, whose row count changes from one refill to the next, runs them
+eagerly. Sampling (temperature, top-k, top-p, and HF's repetition penalty) stays on the GPU.
+Exactness: greedy decoding gives the same tokens as `generate`, with or without a repetition
+penalty, and the same answers whatever the number of slots; sampling draws from
+softmax(logits / T) at every step (all tested). Qwen3's per-head RMSNorm of q and k runs before
+the rotary embedding, and its head_dim need not be hidden_size / heads. Attention is full
 attention: a model whose config slides a window shorter than the sequence is refused
 (`unsupported_reason`).
 """
@@ -27,8 +41,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rlinf_twoworker.engines.kv_memory import prefill_rows, slots_that_fit
 from rlinf_twoworker.engines.models import run_or_eager
 from rlinf_twoworker.engines.sampling import SamplingSettings
+from rlinf_twoworker.engines.static_kernels import (
+    EAGER,
+    Kernels,
+    compiled_kernels,
+    fuse_projections,
+    penalize_repeats,
+    pick_tokens,
+)
 from rlinf_twoworker.errors import TwoWorkerError
 
 SUPPORTED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
@@ -75,146 +98,46 @@ def supports(model: Any, max_len: int) -> bool:
     return unsupported_reason(model, max_len) is None
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The arithmetic of the Qwen2/Llama RMSNorm modules, as one function (fusable)."""
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add then RMSNorm: (x + delta, norm(x + delta)), one fused kernel when compiled."""
-    x = x + delta
-    return x, rms_norm(x, weight, eps)
-
-
-def split_rope(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused q/k/v projection output [B, T, (H + 2 KV) D] -> rotated q [B, H, T, D], k, v."""
-    b, t, _ = qkv.shape
-    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-    q = q.view(b, t, heads, dim).transpose(1, 2)
-    k = k.view(b, t, kv_heads, dim).transpose(1, 2)
-    v = v.view(b, t, kv_heads, dim).transpose(1, 2)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
-
-
-def split_norm_rope(
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    heads: int,
-    kv_heads: int,
-    dim: int,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """split_rope with Qwen3's per-head RMSNorm of q and k (over head_dim) before the rotary."""
-    b, t, _ = qkv.shape
-    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-    q = rms_norm(q.view(b, t, heads, dim), q_weight, eps).transpose(1, 2)
-    k = rms_norm(k.view(b, t, kv_heads, dim), k_weight, eps).transpose(1, 2)
-    v = v.view(b, t, kv_heads, dim).transpose(1, 2)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
-
-
-def masked_softmax(scores: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention probabilities in float32 (as transformers' eager attention), cast back."""
-    return (scores.float() * scale + bias).softmax(-1).to(scores.dtype)
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _fuse(parts: list[torch.Tensor]) -> torch.Tensor:
-    """One tensor holding the parameters back to back, the parameters rebound as views of it:
-    in-place updates of a parameter (weight sync, load_state_dict) write straight into the
-    fused tensor, and no weight is stored twice."""
-    fused = torch.cat([p.detach() for p in parts])
-    offset = 0
-    for part in parts:
-        part.data = fused[offset : offset + part.shape[0]]
-        offset += part.shape[0]
-    return fused
+CHECK_EVERY = 16
+"""Decode steps between looks at which answers ended (one host sync each): a finished row
+holds its slot at most this many steps before the next waiting row takes it."""
 
 
 @dataclass
-class FusedLayer:
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    gate_up_weight: torch.Tensor | None  # None: not a gate/up SiLU MLP, call the module
+class RunStats:
+    """What a sampler's last generate() did (for tests and benchmarks)."""
+
+    rows: int
+    slots: int
+    prefills: int = 0
+    """Prefill forwards: the first fill and every refill, each cut into PREFILL_TOKENS chunks."""
+    refilled_rows: int = 0
+    """Rows prefilled into a slot that another row's finished answer had left."""
+    decode_steps: int = 0
 
 
-def fuse_projections(model: Any) -> list[FusedLayer]:
-    """Fused q/k/v (and gate/up) projection weights of every decoder layer of a transformers
-    Qwen2/Llama/Mistral model; idempotent."""
-    done: list[FusedLayer] | None = getattr(model, "_rlinf_fused_projections", None)
-    if done is not None and all(
-        f.qkv_weight.data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
-        for f, layer in zip(done, model.model.layers)
-    ):
-        return done
-    silu = getattr(model.config, "hidden_act", "silu") == "silu"
-    fused = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        biases = [lin.bias for lin in qkv]
-        gate_up = None
-        if silu and getattr(mlp.gate_proj, "bias", None) is None:
-            gate_up = _fuse([mlp.gate_proj.weight, mlp.up_proj.weight])
-        fused.append(
-            FusedLayer(
-                _fuse([lin.weight for lin in qkv]),
-                None if any(b is None for b in biases) else _fuse(biases),
-                gate_up,
-            )
-        )
-    model._rlinf_fused_projections = fused
-    return fused
+@dataclass
+class _Slots:
+    """The host's view of the slots: the row each decodes (-1: none) and its decode steps so
+    far, both known without a sync; and the next row waiting for a slot."""
+
+    owner: torch.Tensor
+    age: torch.Tensor
+    next_row: int = 0
 
 
-def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """HF's RepetitionPenaltyLogitsProcessor on [B, V] logits, in float32 as HF computes it;
-    `seen`: [B, V] bool, the tokens already in each row."""
-    logits = logits.float()
-    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
-    return torch.where(seen, penalized, logits)
-
-
-def pick_tokens(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
-    """Next token per row from [B, V] logits (greedy, or sampled after top-k / top-p)."""
-    if not s.do_sample:
-        return logits.argmax(-1)
-    logits = logits.float() / s.temperature
-    if s.top_k is not None:
-        kth = logits.topk(s.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if s.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=False)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative <= 1 - s.top_p
-        drop_sorted[:, -1] = False  # always keep the most likely token
-        logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
-    # Exponential race (Gumbel-max in another form): argmax(p / E) = argmax(log p - log E) ~
-    # Categorical(p), and log p differs from the logits by a per-row constant, so no softmax
-    # over the vocabulary is needed. Graph-safe, unlike torch.multinomial's host-side checks.
-    noise = torch.empty_like(logits).exponential_(1).log_()
-    return (logits - noise).argmax(-1)
+def answer_width(answers: torch.Tensor, eos_ids: list[int]) -> int:
+    """Columns up to the end of the longest answer (its first EOS, else all of them)."""
+    if answers.shape[0] == 0:
+        return 0
+    is_eos = torch.isin(answers, torch.tensor(eos_ids, dtype=answers.dtype))
+    length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, answers.shape[1])
+    return int(length.max())
 
 
 class StaticSampler:
-    """Batched generation with a preallocated cache; one instance per (batch, length) shape."""
+    """Generation over `batch` decode slots, each with a preallocated cache of `max_len`
+    prompt + answer tokens; any number of rows per generate() (continuous batching)."""
 
     def __init__(
         self,
@@ -225,8 +148,8 @@ class StaticSampler:
         backend: str | Callable = "inductor",
     ) -> None:
         """`model`: a loaded transformers causal LM of a supported architecture. `compiled`:
-        fuse the elementwise kernels with torch.compile(backend=`backend`); None: on GPUs,
-        unless RLINF_SAMPLER_COMPILE=0."""
+        fuse the decode step's elementwise kernels with torch.compile(backend=`backend`); None:
+        on GPUs, unless RLINF_SAMPLER_COMPILE=0."""
         reason = unsupported_reason(model, max_len)
         if reason is not None:
             raise TwoWorkerError(f"static sampler: {reason}; use rollout.engine=hf")
@@ -240,32 +163,40 @@ class StaticSampler:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.scale = self.head_dim**-0.5
         p = next(model.parameters())
-        dev = p.device
         shape = (len(self.layers), batch, self.kv_heads, max_len, self.head_dim)
-        self.k = torch.zeros(shape, dtype=p.dtype, device=dev)
-        self.v = torch.zeros(shape, dtype=p.dtype, device=dev)
-        # Persistent decode state: a captured graph reads and writes exactly these buffers.
-        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=dev)
-        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        self.col = torch.zeros(1, dtype=torch.long, device=dev)
-        self.step = torch.zeros(1, dtype=torch.long, device=dev)
-        self.done = torch.zeros(batch, dtype=torch.bool, device=dev)
-        self.out = torch.zeros(batch, max_len, dtype=torch.long, device=dev)
-        self.pad = torch.zeros((), dtype=torch.long, device=dev)
-        self.eos = torch.zeros(0, dtype=torch.long, device=dev)
-        self.eos_ids: tuple[int, ...] = ()
-        # Tokens already in each row, for the repetition penalty: made on its first use, so the
-        # default (no penalty) neither stores nor updates it.
-        self.seen: torch.Tensor | None = None
+        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self._make_state(p.device)
+        self.stats = RunStats(rows=0, slots=batch)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_key: tuple | None = None
         # A decode step is hundreds of tiny kernels; on GPUs the elementwise pieces are compiled
         # into fused kernels, which the CUDA graph then replays.
         if compiled is None:
-            compiled = dev.type == "cuda" and os.environ.get("RLINF_SAMPLER_COMPILE") != "0"
+            compiled = p.device.type == "cuda" and os.environ.get("RLINF_SAMPLER_COMPILE") != "0"
         self.backend = backend
         self._set_kernels(compiled)
+
+    def _make_state(self, dev: torch.device) -> None:
+        """Persistent decode state, one row per slot: a captured graph reads and writes exactly
+        these buffers, and a refill writes the rows of the slots it fills."""
+        b = self.batch
+
+        def longs(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.long, device=dev)
+
+        self.valid = torch.zeros(b, self.max_len, dtype=torch.bool, device=dev)
+        self.tok, self.pos = longs(b, 1), longs(b, 1)
+        self.col = longs(b, 1)  # the cache column of the slot's next key
+        self.step = longs(b, 1)  # the answer position the slot emits next
+        self.done = torch.ones(b, dtype=torch.bool, device=dev)
+        self.out = longs(b, self.max_len)
+        self.pad, self.eos = longs(), longs(0)
+        self.limit = longs()  # max_new: an answer's last position + 1
+        self.eos_ids: tuple[int, ...] = ()
+        # Tokens already in each row, for the repetition penalty: made on its first use, so the
+        # default (no penalty) neither stores nor updates it.
+        self.seen: torch.Tensor | None = None
 
     def _state(self) -> tuple[torch.Tensor, ...]:
         state = (self.tok, self.pos, self.col, self.step, self.done, self.out, self.valid)
@@ -273,89 +204,86 @@ class StaticSampler:
 
     def _set_kernels(self, compiled: bool) -> None:
         self.compiled = compiled
-        kernels: tuple[Callable, ...] = (
-            rms_norm,
-            add_rms_norm,
-            split_rope,
-            split_norm_rope,
-            masked_softmax,
-            swiglu,
-        )
-        if compiled:
-            kernels = tuple(torch.compile(k, dynamic=False, backend=self.backend) for k in kernels)
-        self.norm, self.add_norm, self.split_rope, self.split_norm_rope = kernels[:4]
-        self.softmax, self.swiglu = kernels[4:]
+        self.kernels = compiled_kernels(self.backend) if compiled else EAGER
 
     def _residual_norm(
-        self, x: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module
+        self, kern: Kernels, x: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if delta is None:
-            return x, self.norm(x, norm.weight, norm.variance_epsilon)
-        return self.add_norm(x, delta, norm.weight, norm.variance_epsilon)
+            return x, kern.norm(x, norm.weight, norm.variance_epsilon)
+        return kern.add_norm(x, delta, norm.weight, norm.variance_epsilon)
+
+    def _qkv(
+        self, kern: Kernels, index: int, h: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q [B, H, T, D], k and v [B, KV, T, D] of hidden states h [B, T, hidden]."""
+        fused = self.fused[index]
+        qkv = F.linear(h, fused.qkv_weight, fused.qkv_bias)
+        attn = self.layers[index].self_attn
+        dims = (self.heads, self.kv_heads, self.head_dim)
+        if getattr(attn, "q_norm", None) is None:
+            return kern.split_rope(qkv, *rotary, *dims)
+        norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon)
+        return kern.split_norm_rope(qkv, *rotary, *dims, *norms)  # Qwen3
 
     def _attention(
         self,
+        kern: Kernels,
         index: int,
         h: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        cols: torch.Tensor,
         mask: torch.Tensor,
+        slots: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Attention of tokens at cache columns `cols` ([T]). `mask`: a prefill's boolean
-        [B,1,T,S] mask, or a decode step's additive [B,1,1,S] bias (0 or -inf per key)."""
-        fused = self.fused[index]
+        """A prefill's attention (`slots`: the slots it fills, `mask`: boolean [n, 1, P, P]), or
+        a decode step's over every slot (`slots` None, `mask`: additive [B, 1, 1, S] bias)."""
         b, t, _ = h.shape
-        qkv = F.linear(h, fused.qkv_weight, fused.qkv_bias)
-        attn = self.layers[index].self_attn
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3
-            q, k, v = self.split_norm_rope(
-                qkv,
-                *rotary,
-                self.heads,
-                self.kv_heads,
-                self.head_dim,
-                attn.q_norm.weight,
-                attn.k_norm.weight,
-                attn.q_norm.variance_epsilon,
-            )
-        else:
-            q, k, v = self.split_rope(qkv, *rotary, self.heads, self.kv_heads, self.head_dim)
+        q, k, v = self._qkv(kern, index, h, rotary)
         keys, values = self.k[index], self.v[index]
-        keys.index_copy_(2, cols, k)
-        values.index_copy_(2, cols, v)
-        if mask.dtype == torch.bool:
+        if slots is not None:
+            # A new prompt attends to itself only: the slot's later columns belong to the
+            # answer that left it, and are masked until this row writes them.
+            keys[slots, :, :t] = k
+            values[slots, :, :t] = v
             out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, enable_gqa=self.kv_heads != self.heads
+                q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads
             )
             out = out.transpose(1, 2).reshape(b, t, -1)
         else:
+            # Each slot's key goes to its own column: a scatter, graph-safe (no host sync).
+            at = self.col.view(b, 1, 1, 1).expand(b, self.kv_heads, 1, self.head_dim)
+            keys.scatter_(2, at, k)
+            values.scatter_(2, at, v)
             # One query per row: group the query heads of each KV head, so the cache is read
             # where it lies instead of being repeated per query head.
             q = q.reshape(b, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
-            probs = self.softmax(q @ keys.transpose(-1, -2), mask, self.scale)
+            probs = kern.softmax(q @ keys.transpose(-1, -2), mask, self.scale)
             out = (probs @ values).reshape(b, 1, -1)
         return self.layers[index].self_attn.o_proj(out)
 
-    def _mlp(self, index: int, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, kern: Kernels, index: int, h: torch.Tensor) -> torch.Tensor:
         mlp, gate_up = self.layers[index].mlp, self.fused[index].gate_up_weight
         if gate_up is None:
             return mlp(h)
-        return mlp.down_proj(self.swiglu(F.linear(h, gate_up)))
+        return mlp.down_proj(kern.swiglu(F.linear(h, gate_up)))
 
     def _forward(
-        self, ids: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor, mask: torch.Tensor
+        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor | None
     ) -> torch.Tensor:
+        """Logits of the last position: a prefill of `slots` (eager kernels: its row count
+        changes from one refill to the next) or, `slots` None, a decode step."""
+        kern = EAGER if slots is not None else self.kernels
         x = self.model.model.embed_tokens(ids)
         cos, sin = self.model.model.rotary_emb(x, pos)  # once per step, shared by all layers
         rotary = (cos.unsqueeze(1), sin.unsqueeze(1))
         delta = None
         for index, layer in enumerate(self.layers):
-            x, h = self._residual_norm(x, delta, layer.input_layernorm)
-            delta = self._attention(index, h, rotary, cols, mask)
-            x, h = self._residual_norm(x, delta, layer.post_attention_layernorm)
-            delta = self._mlp(index, h)
+            x, h = self._residual_norm(kern, x, delta, layer.input_layernorm)
+            delta = self._attention(kern, index, h, rotary, mask, slots)
+            x, h = self._residual_norm(kern, x, delta, layer.post_attention_layernorm)
+            delta = self._mlp(kern, index, h)
         last = None if delta is None else delta[:, -1]
-        _, h = self._residual_norm(x[:, -1], last, self.model.model.norm)
+        _, h = self._residual_norm(kern, x[:, -1], last, self.model.model.norm)
         return self.model.lm_head(h)
 
     def generate(
@@ -367,9 +295,10 @@ class StaticSampler:
         pad_id: int,
         s: SamplingSettings,
     ) -> torch.Tensor:
-        """Left-padded prompts [B, P] -> answers [B, <= max_new], padded with pad_id after EOS.
-        A torch.compile failure switches the kernels to eager with a warning and generates
-        again; every other error (out of memory, the model's own) propagates."""
+        """Left-padded prompts [R, P], any number of rows -> answers [R, <= max_new] in the
+        same order, padded with pad_id after EOS. A torch.compile failure switches the kernels
+        to eager with a warning and generates again; every other error (out of memory, the
+        model's own) propagates."""
         return run_or_eager(
             lambda: self._generate(ids, mask, max_new, eos_ids, pad_id, s),
             self.compiled,
@@ -392,75 +321,139 @@ class StaticSampler:
         pad_id: int,
         s: SamplingSettings,
     ) -> torch.Tensor:
-        b, p = ids.shape
-        if b != self.batch or p + max_new > self.max_len:
+        rows, p = ids.shape
+        if p + max_new > self.max_len:
             raise ValueError(
-                f"sampler built for batch {self.batch} and {self.max_len} tokens, "
-                f"asked for batch {b} with {p} + {max_new} tokens"
+                f"sampler built for {self.max_len} tokens a slot, asked for {p} + {max_new}"
             )
         dev = self.k.device
         ids, mask = ids.to(dev), mask.to(dev).bool()
+        self._reset(max_new, eos_ids, pad_id)
+        self.stats = RunStats(rows=rows, slots=self.batch)
+        answers = torch.full((rows, max_new), pad_id, dtype=torch.long)
+        slots = _Slots(torch.full((self.batch,), -1), torch.zeros(self.batch, dtype=torch.long))
+        self._fill(torch.arange(self.batch), slots, ids, mask, s)
+        while bool((slots.owner >= 0).any()):
+            busy = slots.owner >= 0
+            # Look again when the next answer may end: at CHECK_EVERY steps, or sooner when a
+            # slot's answer reaches max_new tokens.
+            burst = min(CHECK_EVERY, int((max_new - slots.age[busy]).min()))
+            for _ in range(burst):
+                self._step(s)
+            slots.age += burst
+            self.stats.decode_steps += burst
+            finished = torch.nonzero(busy & self.done.cpu()).flatten()
+            answers[slots.owner[finished]] = self.out[finished.to(dev), :max_new].cpu()
+            slots.owner[finished] = -1
+            self._fill(finished, slots, ids, mask, s)
+        return answers[:, : answer_width(answers, eos_ids)]
+
+    def _reset(self, max_new: int, eos_ids: list[int], pad_id: int) -> None:
+        """Every slot idle (done) until a prefill fills it; the run's constants in buffers."""
+        self.done.fill_(True)
+        self.step.fill_(max_new)  # an idle slot writes its pads to the spare column max_new
+        self.col.zero_()
+        self.pos.zero_()
         self.valid.zero_()
-        self.valid[:, :p] = mask
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        causal = torch.ones(p, self.max_len, dtype=torch.bool, device=dev).tril()
-        prefill_mask = (causal.unsqueeze(0) & self.valid.unsqueeze(1)).unsqueeze(1)
-        # Rows that are all padding in their first columns still need one visible key.
-        prefill_mask[..., :p] |= torch.eye(p, self.max_len, dtype=torch.bool, device=dev)[:, :p]
-        if s.repetition_penalty != 1.0:
-            self._seed_seen(ids, mask)
-        logits = self._forward(ids, pos, torch.arange(p, device=dev), prefill_mask)
-        self.tok.copy_(self._pick(logits, s).unsqueeze(1))
-        self.pos.copy_(pos[:, -1:] + 1)
-        self.col.fill_(p)
-        self.step.zero_()
-        self.done.zero_()
         self.pad.fill_(pad_id)
+        self.limit.fill_(max_new)
         if self.eos_ids != tuple(eos_ids):  # a new tensor: a captured graph must be redone
             self.eos_ids = tuple(eos_ids)
-            self.eos = torch.tensor(eos_ids, dtype=torch.long, device=dev)
-        steps = max_new
-        for step in range(max_new):
-            # Emits the current token (pad once a row is done) and decodes the next; the last
-            # decode fills cache column p + max_new - 1, inside the cache.
-            self._step(s)
-            if step % 16 == 15 and step < max_new - 1 and bool(self.done.all()):
-                steps = step + 1
-                break
-        return self.out[:, :steps].cpu()
+            self.eos = torch.tensor(eos_ids, dtype=torch.long, device=self.k.device)
 
-    def _seed_seen(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        """The repetition penalty's [B, V] presence mask, from the real (unpadded) prompt tokens."""
+    def _fill(
+        self,
+        free: torch.Tensor,
+        slots: _Slots,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        s: SamplingSettings,
+    ) -> None:
+        """The next waiting rows into the `free` slots, in prefills of at most PREFILL_TOKENS
+        tokens; slots left without a row stay idle."""
+        first = slots.next_row
+        take = free[: ids.shape[0] - first]
+        chunk = prefill_rows(ids.shape[1])
+        for begin in range(0, len(take), chunk):
+            part = take[begin : begin + chunk]
+            rows = slice(first + begin, first + begin + len(part))
+            self._prefill(part.to(self.k.device), ids[rows], mask[rows], s)
+        slots.owner[take] = torch.arange(first, first + len(take))
+        slots.age[take] = 0
+        slots.next_row += len(take)
+        if first > 0:
+            self.stats.refilled_rows += len(take)
+
+    def _prefill(
+        self, slots: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, s: SamplingSettings
+    ) -> None:
+        """Prompts [n, P] into the decode slots `slots` [n]: their keys and values at cache
+        columns 0..P-1 and their first answer token; every per-slot buffer reset in place
+        (outside any graph, into the buffers the captured step reads)."""
+        p = ids.shape[1]
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
+        # Rows that are all padding in their first columns still need one visible key.
+        eye = torch.eye(p, dtype=torch.bool, device=ids.device)
+        attn_mask = ((causal & mask.unsqueeze(1)) | eye).unsqueeze(1)
+        if s.repetition_penalty != 1.0:
+            self._seed_seen(slots, ids, mask)
+        logits = self._forward(ids, pos, attn_mask, slots)
+        self.tok[slots] = self._pick(logits, s, slots).unsqueeze(1)
+        self.valid[slots] = False
+        self.valid[slots, :p] = mask
+        self.pos[slots] = pos[:, -1:] + 1
+        self.col[slots] = p
+        self.step[slots] = 0
+        self.done[slots] = False
+        self.out[slots] = self.pad
+        self.stats.prefills += 1
+
+    def _seed_seen(self, slots: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """The repetition penalty's presence rows of `slots`, from their real (unpadded)
+        prompt tokens."""
         if self.seen is None:  # made once: a captured graph holds its address
             vocab = self.model.lm_head.weight.shape[0]
             self.seen = torch.zeros(self.batch, vocab, dtype=torch.bool, device=ids.device)
-        self.seen.zero_()
-        rows = torch.arange(self.batch, device=ids.device).unsqueeze(1).expand_as(ids)
+        self.seen[slots] = False
+        rows = slots.unsqueeze(1).expand_as(ids)
         self.seen[rows[mask], ids[mask]] = True
 
-    def _pick(self, logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
-        """The next token per row; under a repetition penalty, the penalty first and the
-        picked tokens marked seen (graph-safe: fixed shapes, no host sync)."""
+    def _pick(
+        self, logits: torch.Tensor, s: SamplingSettings, slots: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The next token of each slot (`slots` None: all of them); under a repetition
+        penalty, the penalty first and the picked tokens marked seen (graph-safe for all
+        slots: fixed shapes, no host sync)."""
         if s.repetition_penalty == 1.0:
             return pick_tokens(logits, s)
         assert self.seen is not None, "_seed_seen runs before the first pick"
-        tokens = pick_tokens(penalize_repeats(logits, self.seen, s.repetition_penalty), s)
-        self.seen.scatter_(1, tokens.unsqueeze(1), True)
+        seen = self.seen if slots is None else self.seen[slots]
+        tokens = pick_tokens(penalize_repeats(logits, seen, s.repetition_penalty), s)
+        if slots is None:
+            self.seen.scatter_(1, tokens.unsqueeze(1), True)
+        else:
+            self.seen[slots, tokens] = True
         return tokens
 
     def _step_eager(self, s: SamplingSettings) -> None:
         tok = torch.where(self.done.unsqueeze(1), self.pad, self.tok)
-        self.out.index_copy_(1, self.step, tok)
-        self.done |= torch.isin(tok[:, 0], self.eos)
-        self.valid.index_fill_(1, self.col, True)
+        self.out.scatter_(1, self.step, tok)
+        # An answer ends at EOS or with its max_new-th token. A comparison with every EOS id,
+        # not torch.isin: isin sorts (a host sync) when there are many ids.
+        self.done |= (tok == self.eos).any(-1) | (self.step[:, 0] + 1 >= self.limit)
+        self.valid.scatter_(1, self.col, True)
         bias = torch.zeros(self.valid.shape, device=self.valid.device).masked_fill(
             ~self.valid, float("-inf")
         )
-        logits = self._forward(tok, self.pos, self.col, bias[:, None, None, :])
+        logits = self._forward(tok, self.pos, bias[:, None, None, :], None)
         self.tok.copy_(self._pick(logits, s).unsqueeze(1))
-        self.pos.add_(1)
-        self.col.add_(1)
-        self.step.add_(1)
+        # A finished slot steps on until it is refilled: its position and column stop at the
+        # last cache column, its answer position at the spare column max_new, all in bounds. A
+        # live row never reaches those limits, so they change nothing for it.
+        self.pos.add_(1).clamp_(max=self.max_len - 1)
+        self.col.add_(1).clamp_(max=self.max_len - 1)
+        torch.minimum(self.step + 1, self.limit, out=self.step)
 
     def _step(self, s: SamplingSettings) -> None:
         if self.k.device.type != "cuda":
@@ -492,15 +485,31 @@ class StaticSampler:
 
 
 class StaticEngine:
-    """The `static` engine of the rollout engine interface: one StaticSampler per (batch,
-    length) shape, built on first use (its KV cache and CUDA graph are kept for the next step)."""
+    """The `static` engine of the rollout engine interface. It takes every row of a rollout
+    (continuous batching) and decodes them in min(rows, `max_batch_size`, what fits) slots;
+    one StaticSampler per (slots wanted, length), built on first use (its KV cache and CUDA
+    graph are kept for the next step)."""
 
     name = "static"
     fixed_prompt_width = True  # one prompt width: the samplers' shapes (and graphs) repeat
+    continuous = True
 
-    def __init__(self, model: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        max_batch_size: int | None = None,
+        memory_budget_bytes: int | None = None,
+        where: str = "rollout component",
+    ) -> None:
+        """`max_batch_size`: most decode slots (rollout.max_batch_size; None: one per row).
+        `memory_budget_bytes`: most bytes for the slots' KV caches and decode buffers (None:
+        the free memory alone bounds them on a GPU). `where` names the component in errors."""
         self.model = model
+        self.max_batch_size = max_batch_size
+        self.memory_budget_bytes = memory_budget_bytes
+        self.where = where
         self.samplers: dict[tuple[int, int], StaticSampler] = {}
+        self.last: StaticSampler | None = None
 
     def generate(
         self,
@@ -511,10 +520,36 @@ class StaticEngine:
         pad_id: int,
         settings: SamplingSettings,
     ) -> torch.Tensor:
-        shape = (ids.shape[0], ids.shape[1] + max_new)
-        if shape not in self.samplers:
-            self.samplers[shape] = StaticSampler(self.model, *shape)
-        return self.samplers[shape].generate(ids, mask, max_new, eos_ids, pad_id, settings)
+        rows, width = ids.shape
+        self.last = self.sampler_for(rows, width, width + max_new)
+        return self.last.generate(ids, mask, max_new, eos_ids, pad_id, settings)
+
+    @property
+    def last_run(self) -> RunStats | None:
+        """What the last generate() did: rows, slots, prefills, refills, decode steps."""
+        return None if self.last is None else self.last.stats
+
+    def sampler_for(self, rows: int, width: int, max_len: int) -> StaticSampler:
+        wanted = min(rows, self.max_batch_size or rows)
+        key = (wanted, max_len)
+        if key not in self.samplers:
+            slots = self.slots_for(wanted, width, max_len)
+            self.samplers[key] = StaticSampler(self.model, slots, max_len)
+        return self.samplers[key]
+
+    def slots_for(self, wanted: int, width: int, max_len: int) -> int:
+        """min(`wanted`, what fits): on a GPU its free memory counts, with the blocks PyTorch's
+        allocator holds free (this process reuses them); the memory budget anywhere."""
+        param = next(self.model.parameters())
+        free, device = None, str(param.device)
+        if param.device.type == "cuda":
+            idle = torch.cuda.memory_reserved(param.device) - torch.cuda.memory_allocated(
+                param.device
+            )
+            free = torch.cuda.mem_get_info(param.device)[0] + idle
+            device = f"GPU {param.device} ({torch.cuda.get_device_name(param.device)})"
+        cfg, dtype, budget = self.model.config, param.dtype, self.memory_budget_bytes
+        return slots_that_fit(cfg, max_len, width, dtype, wanted, free, budget, self.where, device)
 
     def weights_loaded(self) -> None:
         """The sync writes into the parameters, which the fused projections alias; re-fuse

@@ -3,7 +3,10 @@
 The answers come from a rollout engine (engines/rollout_engine.py, `rollout.engine`): the
 library's static-cache sampler (engines/static.py: preallocated KV cache, CUDA-graph decode; the
 default for Qwen2, Qwen3, Llama and Mistral models) or transformers' `generate`
-(engines/hf_generate.py). Prompts are left-padded so every answer starts at one column.
+(engines/hf_generate.py). Prompts are left-padded so every answer starts at one column. The
+static engine takes all of a call's rows at once and decodes them with continuous batching in
+at most rollout.max_batch_size slots (fewer where memory is short); `generate` gets them in
+chunks of rollout.max_batch_size rows.
 """
 
 from __future__ import annotations
@@ -54,7 +57,13 @@ class RolloutWorker(PolicyCopy):
         # Prompts are cut to max_prompt_length, so every sampler is built for this length.
         max_len = cfg.data.max_prompt_length + cfg.max_new_tokens
         where = f"rollout rank {rank}, model {cfg.rollout.model.model_path}"
-        self.engine = choose_engine(cfg.rollout.engine, self.model, max_len, where)
+        self.engine = choose_engine(
+            cfg.rollout.engine,
+            self.model,
+            max_len,
+            where,
+            max_batch_size=cfg.rollout.max_batch_size,
+        )
 
     @property
     def static(self) -> bool:
@@ -100,7 +109,8 @@ class RolloutWorker(PolicyCopy):
         ids, mask = left_pad(rows, pad_id, width)
         torch.manual_seed(seed)
         outputs = []
-        chunk = self.cfg.rollout.max_batch_size
+        # A continuous engine bounds its own batch (decode slots) and refills it as answers end.
+        chunk = len(rows) if self.engine.continuous else self.cfg.rollout.max_batch_size
         for begin in range(0, len(rows), chunk):
             part = slice(begin, begin + chunk)
             outputs.append(self._generate_chunk(ids[part], mask[part], pad_id))
