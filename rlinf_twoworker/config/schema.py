@@ -9,6 +9,7 @@ validation rules.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -39,6 +40,8 @@ LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", 
 true token-mean over the whole minibatch."""
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 LR_SCHEDULERS = ("constant", "cosine")
+PIPELINE_MODES = ("auto", "pipelined", "sequential")
+"""runner.pipeline's values (not on/off: YAML 1.1 reads those as booleans)."""
 
 
 def _require(ok: bool, key: str, value: object, rule: str) -> None:
@@ -206,9 +209,37 @@ class RunnerConfig:
     GPU (engines/compile_cache.py): 'auto' is <output_dir>/.compile-cache (shared storage, so
     every node and every later run finds it), a path puts it there, null turns it off. Only
     matters where something is compiled (GPUs with actor.compile)."""
+    pipeline: str = "auto"
+    """How a step's stages run (run/pipeline.py). 'pipelined', RLinf's pipeline mode: each of
+    the step's runner.rollout_chunks chunks is graded and its old log-probs recomputed as soon
+    as the rollout has generated it, and the actor trains on a minibatch as soon as its chunk
+    is ready, while the rollout generates the next chunks. 'sequential': each stage over the
+    whole step, then the next. 'auto': pipelined where the rollout shares no GPU with the actor
+    (RLinf's disaggregated placement, the tutorial's), sequential where it does (RLinf's
+    collocated mode; overlapping there would only time-share one GPU). Rollout and inference
+    keep the step's starting weights until the sync after the update in both schedules, so the
+    same seeds and the same runner.rollout_chunks give the same update."""
+    rollout_chunks: int | None = None
+    """Rollout calls per step: the step's prompts in this many equal chunks of whole groups,
+    each sampled with its own seed (chunk 0 with actor.seed + step) and cut into its own
+    minibatches. Must divide data.rollout_batch_size and algorithm.n_minibatches. None:
+    gcd(data.rollout_batch_size, algorithm.n_minibatches) when pipelined (one chunk per
+    minibatch in the starting config), 1 when sequential."""
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:
+        _require(
+            self.pipeline in PIPELINE_MODES,
+            "runner.pipeline",
+            self.pipeline,
+            f"must be one of {', '.join(PIPELINE_MODES)}",
+        )
+        _require(
+            self.rollout_chunks is None or self.rollout_chunks >= 1,
+            "runner.rollout_chunks",
+            self.rollout_chunks,
+            "must be >= 1 (or null: one chunk per minibatch when pipelined, 1 when sequential)",
+        )
         problem = run_id_problem(self.experiment_name)
         _require(problem is None, "runner.experiment_name", self.experiment_name, problem or "")
         _require(
@@ -740,6 +771,7 @@ class GRPOConfig:
             f"must be < runner.seq_length ({self.runner.seq_length})",
         )
         self._check_batches(len(placement.ranks("actor")))
+        self._check_chunks()
         self._check_validation()
         for key in ("seq_length", "encoder_seq_length"):
             value = getattr(self.actor.model, key)
@@ -769,6 +801,21 @@ class GRPOConfig:
             "RLinf asserts",
         )
 
+    def _check_chunks(self) -> None:
+        chunks = self.runner.rollout_chunks
+        _require(
+            chunks is None
+            or (
+                self.data.rollout_batch_size % chunks == 0
+                and self.algorithm.n_minibatches % chunks == 0
+            ),
+            "runner.rollout_chunks",
+            chunks,
+            f"must divide data.rollout_batch_size ({self.data.rollout_batch_size}: chunks of "
+            f"whole groups) and algorithm.n_minibatches ({self.algorithm.n_minibatches}: each "
+            "minibatch within one chunk)",
+        )
+
     def _check_validation(self) -> None:
         interval, save = self.runner.val_check_interval, self.runner.save_interval
         if self.validates and save > 0:
@@ -784,6 +831,25 @@ class GRPOConfig:
     def placement(self) -> Placement:
         """Every component process of this run with its resource rank, bundle and GPU."""
         return resolve_placement(self.cluster, components.in_run(self))
+
+    @property
+    def pipelined(self) -> bool:
+        """runner.pipeline resolved: 'auto' pipelines where no GPU runs both the rollout and
+        an actor rank."""
+        if self.runner.pipeline != "auto":
+            return self.runner.pipeline == "pipelined"
+        trainer = next(c.name for c in components.in_run(self) if c.trains)
+        placement = self.placement
+        return not set(placement.ranks("rollout")) & set(placement.ranks(trainer))
+
+    @property
+    def rollout_chunks(self) -> int:
+        """runner.rollout_chunks resolved: the rollout calls of each step."""
+        if self.runner.rollout_chunks is not None:
+            return self.runner.rollout_chunks
+        if not self.pipelined:
+            return 1
+        return math.gcd(self.data.rollout_batch_size, self.algorithm.n_minibatches)
 
     @property
     def validates(self) -> bool:

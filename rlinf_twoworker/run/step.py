@@ -1,7 +1,10 @@
 """One GRPO step, as named stages: generate, grade, recompute log-probs, update, sync weights.
 
-Reads top to bottom like the algorithm. Every remote call carries the step timeout and fails
-with the component, rank and node that broke.
+The step's plan (run/chunks.py: rollout chunks, their seeds, the minibatches) runs on one of
+two schedules (run/pipeline.py, runner.pipeline): sequential, or RLinf's pipeline mode, where
+each chunk flows on to the reward, inference and the actor while the rollout generates the
+next. The weights are synced once, after the update. Every remote call carries the step
+timeout and fails with the component, rank and node that broke.
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from typing import Any
 
 import torch
 
-from rlinf_twoworker.algorithm import group_advantages, loss_weights, normalize_advantages
 from rlinf_twoworker.config import GRPOConfig
-from rlinf_twoworker.engines.models import SequenceBatch, dtype_for
-from rlinf_twoworker.messages import ActorShard, Graded, LogProbs, Rollout, TrainStats
+from rlinf_twoworker.engines.models import dtype_for
 from rlinf_twoworker.results import StepResult
+from rlinf_twoworker.run.chunks import plan_chunks, split_for_actors
 from rlinf_twoworker.run.group import ComponentGroup, gather_fail_fast
+from rlinf_twoworker.run.pipeline import Marks, Ran, generate, grade, run_pipelined, run_sequential
+
+__all__ = ["run_step", "split_for_actors", "sync_dtype", "sync_weights", "validate"]
 
 
 def sync_dtype(cfg: GRPOConfig) -> str:
@@ -30,76 +35,6 @@ def sync_dtype(cfg: GRPOConfig) -> str:
     }
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     return str(dtype).removeprefix("torch.")
-
-
-def rlinf_micro_batches(cfg: GRPOConfig, ranks: int) -> list[list[slice]]:
-    """RLinf's micro-batches of one minibatch, per actor rank, as row slices of the minibatch:
-    rank r takes the r-th contiguous share and cuts it into training_batch_size_per_gpu rows."""
-    per_rank = len_minibatch(cfg) // ranks
-    size = cfg.algorithm.training_batch_size_per_gpu
-    return [
-        [slice(r * per_rank + b, r * per_rank + b + size) for b in range(0, per_rank, size)]
-        for r in range(ranks)
-    ]
-
-
-def len_minibatch(cfg: GRPOConfig) -> int:
-    return cfg.data.rollout_batch_size * cfg.algorithm.group_size // cfg.algorithm.n_minibatches
-
-
-def split_for_actors(
-    cfg: GRPOConfig,
-    batch: SequenceBatch,
-    old: torch.Tensor,
-    adv: torch.Tensor,
-    ref: torch.Tensor | None = None,
-    *,
-    ranks: int,
-) -> list[list[ActorShard]]:
-    """Shards per actor rank: for each minibatch, the rank's contiguous share of its rows with
-    the minibatch's loss weights (algorithm.loss_weights over RLinf's micro-batches)."""
-    per_mb = len_minibatch(cfg)
-    layout = rlinf_micro_batches(cfg, ranks)
-    per_rank = per_mb // ranks
-    shards: list[list[ActorShard]] = [[] for _ in range(ranks)]
-    for start in range(0, len(batch), per_mb):
-        mask = batch.response_mask[start : start + per_mb]
-        weights = loss_weights(mask, layout, cfg.algorithm.loss_agg_func)
-        metric_weights = loss_weights(mask, layout, "token-mean")
-        for r in range(ranks):
-            local = slice(r * per_rank, (r + 1) * per_rank)
-            rows = slice(start + local.start, start + local.stop)
-            shards[r].append(
-                ActorShard(
-                    batch.rows(rows),
-                    old[rows],
-                    adv[rows],
-                    weights[local],
-                    metric_weights[local],
-                    None if ref is None else ref[rows],
-                )
-            )
-    return shards
-
-
-def token_advantages(cfg: GRPOConfig, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """GRPO advantages broadcast to every valid answer token ([B, R], zero on padding), and
-    whitened over the batch with algorithm.normalize_advantages."""
-    per_answer = group_advantages(rewards, cfg.algorithm.group_size)
-    adv = per_answer.unsqueeze(-1) * mask.to(per_answer.dtype)
-    return normalize_advantages(adv, mask) if cfg.algorithm.normalize_advantages else adv
-
-
-def shuffled(
-    cfg: GRPOConfig, step: int, batch: SequenceBatch, *tensors: torch.Tensor
-) -> tuple[SequenceBatch, list[torch.Tensor]]:
-    """With algorithm.shuffle_rollout, the answers in a seeded random order (actor.seed and
-    the step), so minibatches mix groups; else unchanged."""
-    if not cfg.algorithm.shuffle_rollout:
-        return batch, list(tensors)
-    generator = torch.Generator().manual_seed(cfg.actor.seed * 1_000_003 + step)
-    order = torch.randperm(len(batch), generator=generator)
-    return batch.rows(order), [t[order] for t in tensors]
 
 
 async def sync_weights(group: ComponentGroup, cfg: GRPOConfig) -> dict[str, float]:
@@ -185,58 +120,66 @@ async def run_step(
     prompts: list[list[int]],
     solutions: list[list[str]],
 ) -> StepResult:
-    """Generate, grade, recompute, update, sync; returns the step's metrics and timings."""
-    timeout = cfg.runner.timeouts.step_s
-    start = time.perf_counter()
-    rollout, rewards, reward_s = await _generate_and_grade(group, cfg, step, prompts, solutions)
-    batch = rollout.batch
-    adv = token_advantages(cfg, rewards, batch.response_mask)
-    old, ref = await _logprobs(group, batch, timeout, f"step {step}")
-    columns = [old.logprobs, adv] + ([ref.logprobs] if ref is not None else [])
-    train_batch, shuffled_columns = shuffled(cfg, step, batch, *columns)
-    shards = split_for_actors(cfg, train_batch, *shuffled_columns, ranks=len(group.actors()))
-    trained: list[TrainStats] = await group.call_each(
-        group.actors(),
-        "train_step",
-        timeout=timeout,
-        stage=f"step {step} actor update",
-        per_member=[(s,) for s in shards],
-    )
+    """Generate, grade, recompute, update (on the configured schedule), sync; returns the
+    step's metrics and timings."""
+    marks = Marks()
+    schedule = run_pipelined if cfg.pipelined else run_sequential
+    ran = await schedule(group, cfg, step, plan_chunks(cfg, step), prompts, solutions, marks)
     synced = await sync_weights(group, cfg)
-    train_s = max(t.seconds for t in trained)
-    metrics = {
-        **_rollout_metrics(rewards, batch, adv),
-        **_actor_metrics(trained[0].metrics),
-        "throughput/generated_tokens_per_s": rollout.generated_tokens / max(rollout.seconds, 1e-9),
-        "throughput/trained_tokens_per_s": trained[0].trained_tokens / max(train_s, 1e-9),
+    step_s = time.perf_counter() - marks.start
+    return StepResult(
+        step=step,
+        metrics=_metrics(cfg, ran, synced),
+        timings=_timings(ran, synced, step_s, marks.at),
+        finished_at=time.time(),
+    )
+
+
+def _metrics(cfg: GRPOConfig, ran: Ran, synced: dict[str, float]) -> dict[str, float]:
+    rollouts = [c.rollout for c in ran.chunks]
+    train_s = max(t.seconds for t in ran.trained)
+    rewards = torch.cat([c.rewards for c in ran.chunks])
+    masks = [r.batch.response_mask for r in rollouts]
+    generated = sum(r.generated_tokens for r in rollouts)
+    rollout_s = sum(r.seconds for r in rollouts)
+    return {
+        **_rollout_metrics(rewards, masks, ran.advantages),
+        **_actor_metrics(ran.trained[0].metrics),
+        "throughput/generated_tokens_per_s": generated / max(rollout_s, 1e-9),
+        "throughput/trained_tokens_per_s": ran.trained[0].trained_tokens / max(train_s, 1e-9),
         "sync/bytes": synced["bytes"],
         **({"sync/verified": synced["verified"]} if "verified" in synced else {}),
+        "pipeline/pipelined": float(cfg.pipelined),
+        "pipeline/rollout_chunks": float(len(ran.chunks)),
     }
-    timings = {
-        "time/rollout": rollout.seconds,
-        "time/reward": reward_s,
-        "time/inference": old.seconds,
-        **({"time/reference": ref.seconds} if ref is not None else {}),
-        "time/actor/training": train_s,
+
+
+def _timings(
+    ran: Ran, synced: dict[str, float], step_s: float, at: dict[str, float]
+) -> dict[str, float]:
+    """Each stage's busy seconds (summed over the chunks; the actor's slowest rank), the step's
+    wall clock, how much of the stages' work overlapped, and when the schedule's turning
+    points came (time/at/..., seconds into the step)."""
+    chunks, trained = ran.chunks, ran.trained
+    refs = [c.ref.seconds for c in chunks if c.ref is not None]
+    stages = {
+        "time/rollout": sum(c.rollout.seconds for c in chunks),
+        "time/reward": sum(c.reward_seconds for c in chunks),
+        "time/inference": sum(c.old.seconds for c in chunks),
+        "time/actor/training": max(t.seconds for t in trained),
+        "time/sync_weights": synced["seconds"],
+    }
+    return {
+        **stages,
+        **({"time/reference": sum(refs)} if refs else {}),
         "time/actor/forward_backward": max(t.forward_backward_seconds for t in trained),
         "time/actor/optimizer": max(t.optimizer_seconds for t in trained),
-        "time/sync_weights": synced["seconds"],
-        "time/step": time.perf_counter() - start,
+        "time/step": step_s,
+        # The stages' seconds beyond the step's: work done while another stage ran (the
+        # reference always runs beside inference, so it is left out).
+        "time/overlap": max(0.0, sum(stages.values()) - step_s),
+        **{f"time/at/{name}": seconds for name, seconds in at.items()},
     }
-    return StepResult(step=step, metrics=metrics, timings=timings, finished_at=time.time())
-
-
-async def _logprobs(
-    group: ComponentGroup, batch: SequenceBatch, timeout: float, stage: str
-) -> tuple[LogProbs, LogProbs | None]:
-    """The old log-probs (inference) and, with a KL term, the reference's, computed at once."""
-    members = [group.one("inference")]
-    if "reference" in group.members:
-        members.append(group.one("reference"))
-    results = await group.call_each(
-        members, "compute_logprobs", batch, timeout=timeout, stage=f"{stage} log-probs"
-    )
-    return results[0], results[1] if len(results) > 1 else None
 
 
 async def validate(
@@ -247,11 +190,12 @@ async def validate(
     solutions: list[list[str]],
 ) -> dict[str, float]:
     """Answer the validation prompts with the current policy (group_size answers each, the
-    training sampling settings, as RLinf's evaluation does) and grade them."""
+    training sampling settings, as RLinf's evaluation does) and grade them, in one rollout
+    call."""
     start = time.perf_counter()
-    _, rewards, _ = await _generate_and_grade(
-        group, cfg, step, prompts, solutions, seed_offset=VALIDATION_SEED_OFFSET, stage="validation"
-    )
+    seed = cfg.actor.seed + step + VALIDATION_SEED_OFFSET
+    rollout = await generate(group, cfg, prompts, seed, f"step {step} validation")
+    rewards, _ = await grade(group, cfg, rollout, solutions, f"step {step} validation reward")
     return {
         "val/reward_scores": float(rewards.mean()),
         "val/correct_fraction": float((rewards > 0).float().mean()),
@@ -263,52 +207,21 @@ VALIDATION_SEED_OFFSET = 1_000_000_007
 """Validation samples with seeds apart from the training steps'."""
 
 
-async def _generate_and_grade(
-    group: ComponentGroup,
-    cfg: GRPOConfig,
-    step: int,
-    prompts: list[list[int]],
-    solutions: list[list[str]],
-    seed_offset: int = 0,
-    stage: str = "rollout",
-) -> tuple[Rollout, torch.Tensor, float]:
-    """The rollout's answers (group_size per prompt), their rewards and the grading time."""
-    timeout = cfg.runner.timeouts.step_s
-    rollout: Rollout = await group.call(
-        group.one("rollout"),
-        "generate",
-        prompts,
-        cfg.actor.seed + step + seed_offset,
-        timeout=timeout,
-        stage=f"step {step} {stage}",
-    )
-    answers_solutions = [s for s in solutions for _ in range(cfg.algorithm.group_size)]
-    t = time.perf_counter()
-    graded: Graded = await group.call(
-        group.one("reward"),
-        "score",
-        rollout.texts,
-        answers_solutions,
-        timeout=timeout,
-        stage=f"step {step} {stage} reward",
-    )
-    rewards = torch.tensor(graded.scores, dtype=torch.float32)
-    return rollout, rewards, time.perf_counter() - t
-
-
 def _rollout_metrics(
-    rewards: torch.Tensor, batch: SequenceBatch, adv: torch.Tensor
+    rewards: torch.Tensor, masks: list[torch.Tensor], advantages: list[torch.Tensor]
 ) -> dict[str, float]:
-    lengths = batch.response_mask.sum(-1).float()
-    valid = batch.response_mask.bool()
+    """Over every answer of the step; chunks have their own widths, so per row and per valid
+    token only (padding never enters)."""
+    lengths = torch.cat([m.sum(-1) for m in masks]).float()
+    adv = torch.cat([a[m.bool()] for a, m in zip(advantages, masks)])
     return {
         "rollout/reward_scores": float(rewards.mean()),
         "rollout/correct_fraction": float((rewards > 0).float().mean()),
         "rollout/response_length": float(lengths.mean()),
         "rollout/response_length_max": float(lengths.max()),
-        "rollout/advantages_mean": float(adv[valid].mean()),
-        "rollout/advantages_max": float(adv[valid].max()),
-        "rollout/advantages_min": float(adv[valid].min()),
+        "rollout/advantages_mean": float(adv.mean()),
+        "rollout/advantages_max": float(adv.max()),
+        "rollout/advantages_min": float(adv.min()),
     }
 
 
