@@ -8,8 +8,8 @@ compared with that GPU's budget: the free memory the preflight probe saw there, 
 `cluster.max_gpu_memory_gb`. A GPU that does not fit is refused before any model loads, naming
 the GPU, its components, the estimate by part and the settings that would make it fit.
 
-The activation and logit coefficients are calibrated on an H200 (benchmarks/RESULTS.md,
-"Memory plan"); everything else is exact arithmetic on sizes.
+The activation, logit and slack coefficients are calibrated on an H200 at the 1.5B shape
+(benchmarks/RESULTS.md, "Memory plan"); everything else is exact arithmetic on sizes.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.config.placement import Placement
+from rlinf_twoworker.engines.kv_memory import PREFILL_TOKENS  # the static engine's prefill cut
 from rlinf_twoworker.errors import TwoWorkerError
 
 GIB = 1024**3
@@ -29,7 +30,10 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 CUDA_CONTEXT = int(0.6 * GIB)
 """A CUDA process's context and kernels, outside PyTorch's allocator (about 0.5 GiB on H200s)."""
 SLACK = 0.10
-"""The caching allocator's fragmentation and library workspaces, on top of the parts."""
+"""The caching allocator's fragmentation and library workspaces, on top of the parts..."""
+SLACK_TRAINING = 0.20
+"""...and for the actor, whose activations and gradients come and go in many sizes (on an H200,
+1.5B shape: reserved 21% above allocated for the actor, 7-14% for the forward-only copies)."""
 ACTIVATIONS_COMPILED = (7, 3)
 """(a, b): a decoder layer keeps about a x hidden + b x intermediate values per token for its
 backward when its forward is compiled (fused norms and SwiGLU)..."""
@@ -37,8 +41,8 @@ ACTIVATIONS_EAGER = (16, 6)
 """...and about this many when it runs eagerly (float32 norm copies, unfused SwiGLU)."""
 LOGIT_BYTES_TRAIN = 5
 """Bytes per (token, vocabulary entry) of the actor's logits, log-softmax and their gradient."""
-LOGIT_BYTES_FORWARD = 6
-"""The same for a forward without gradients (bf16 logits and a float32 log-softmax chunk)."""
+LOGIT_BYTES_FORWARD = 2
+"""The same for a forward without gradients: the bf16 logits (the log-softmax runs in chunks)."""
 
 
 @dataclass(frozen=True)
@@ -255,7 +259,9 @@ def rollout_parts(cfg: GRPOConfig, shape: ModelShape) -> dict[str, int]:
     return {
         "weights": shape.params * size,
         "kv_cache": slots * seq * shape.kv_bytes_per_token * size,
-        "activations": slots * prompt * size * (4 * shape.hidden + 3 * shape.intermediate),
+        "activations": min(slots * prompt, PREFILL_TOKENS)
+        * size
+        * (4 * shape.hidden + 3 * shape.intermediate),
         "logits": slots * shape.vocab * 4 * 3,
     }
 
@@ -274,7 +280,8 @@ def process_parts(
         parts = rollout_parts(cfg, shapes["rollout"])
     else:
         return {}
-    parts["allocator_slack"] = int(SLACK * sum(parts.values()))
+    slack = SLACK_TRAINING if component == "actor" else SLACK
+    parts["allocator_slack"] = int(slack * sum(parts.values()))
     if cfg.cluster.accelerator == "cuda":
         parts["cuda_context"] = CUDA_CONTEXT
     return parts
