@@ -14,6 +14,11 @@ Sections (each a median of several timed runs after warm-up, CUDA-synchronised):
   startup    time to result: the tutorial's 2-step job with the library's defaults, on a cold
              and then a warm shared compile cache, each on a fresh local compile cache; start-up
              phases, call to step 1, call to verification.json (not in the default list)
+  scaling    rollout cost as the work grows: 8/32/128 prompts x 8 answers at 1k/4k/8k tokens,
+             continuous batching vs one static batch, time-limited (bench_scaling.py; not in
+             the default list; --scaling-cases picks cases)
+  pipelining pipelined vs sequential GRPO steps on two one-GPU nodes, answers of varied length
+             (bench_pipeline.py; not in the default list)
 The model is the DeepSeek-R1-Distill-Qwen-1.5B shape (Qwen2, random weights) saved to a local
 directory, so the library's real loading code runs. Timing lives here, never in tests.
 """
@@ -468,12 +473,91 @@ def bench_grpo_step(
     }
 
 
+def _pipelining(root: Path) -> dict:
+    from bench_pipeline import bench_pipeline  # benchmarks/ is the script's path
+
+    return bench_pipeline(root / "pipelining")
+
+
 TARGETS = {  # issue "time to result", one H200, the 1.5B shape
     "call_to_step1_cold_s": 60.0,
     "call_to_step1_warm_s": 25.0,
     "job_to_verification_warm_s": 35.0,
     "later_step_defaults_s": 3.0,
 }
+
+
+class GpuMemorySampler:
+    """nvidia-smi's used memory of GPU 0 every 0.5 s in a thread: what every process holds,
+    CUDA contexts included (PyTorch's own peaks leave those out)."""
+
+    def __enter__(self) -> GpuMemorySampler:
+        import threading
+
+        self.samples: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        argv = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"]
+        while not self.stop.wait(0.5):
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+            if done.returncode == 0 and done.stdout.strip():
+                self.samples.append(float(done.stdout.split()[0]) / 1024)  # MiB -> GiB
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+    def peak_gib(self) -> float | None:
+        return max(self.samples) if self.samples else None
+
+
+def plan_vs_measured(run_dir: Path, results: list) -> list[dict]:
+    """Each component process's memory plan estimate (memory_plan.json) beside its measured
+    peaks over the steps (memory/<component>/<rank>/... metrics). The plan's CUDA context is
+    outside PyTorch's allocator, so the estimate to compare with the reserved peak leaves it
+    out."""
+    plan = json.loads((run_dir / "memory_plan.json").read_text())
+    rows = []
+    for gpu in plan["gpus"]:
+        for p in gpu["processes"]:
+            key = f"memory/{p['component']}/{p['rank']}"
+            allocated = max(r.metrics.get(f"{key}/gpu_peak_allocated_gib", 0.0) for r in results)
+            reserved = max(r.metrics.get(f"{key}/gpu_peak_reserved_gib", 0.0) for r in results)
+            in_allocator = p["estimate_gib"] - p["parts_gib"].get("cuda_context", 0.0)
+            rows.append(
+                {
+                    "process": f"{p['component']}:{p['rank']}",
+                    "estimate_gib": p["estimate_gib"],
+                    "estimate_in_allocator_gib": round(in_allocator, 3),
+                    "parts_gib": p["parts_gib"],
+                    "measured_peak_allocated_gib": allocated,
+                    "measured_peak_reserved_gib": reserved,
+                    "estimate_over_reserved": round(in_allocator / reserved, 3)
+                    if reserved
+                    else None,
+                }
+            )
+    return rows
+
+
+def memory_table(results: dict) -> str:
+    """The memory plan against the measured peaks of the startup section's warm run."""
+    rows = results.get("startup", {}).get("warm", {}).get("memory_plan_vs_measured") or []
+    lines = [
+        "| process | plan estimate (GiB, w/o CUDA context) | measured peak reserved | allocated | estimate / reserved |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['process']} | {r['estimate_in_allocator_gib']:.2f} | "
+            f"{r['measured_peak_reserved_gib']:.2f} | {r['measured_peak_allocated_gib']:.2f} | "
+            f"{r['estimate_over_reserved']} |"
+        )
+    return "\n".join(lines)
 
 
 def _tutorial_job(model_dir: Path, root: Path, run_id: str, cache: Path, inductor: Path) -> dict:
@@ -506,7 +590,7 @@ def _tutorial_job(model_dir: Path, root: Path, run_id: str, cache: Path, inducto
             f"runner.compile_cache_dir={cache}",
         ]
     )
-    with LocalCluster(num_nodes=nodes, gpus_per_node=gpus):
+    with LocalCluster(num_nodes=nodes, gpus_per_node=gpus), GpuMemorySampler() as gpu_used:
         called = time.perf_counter()
         handle = run_grpo_two_worker(cfg)
         first = ray.get(handle.step(1), timeout=900)
@@ -534,6 +618,8 @@ def _tutorial_job(model_dir: Path, root: Path, run_id: str, cache: Path, inducto
         ],
         "verification_passed": report.passed,
         "verification_errors": report.errors[:5],
+        "memory_plan_vs_measured": plan_vs_measured(root / "runs" / run_id, [first, second]),
+        "gpu_used_peak_gib_nvidia_smi": gpu_used.peak_gib(),
         "compile_cache_lines": [
             line.split("COMPILE_CACHE", 1)[1].strip()
             for line in main_log.splitlines()
@@ -582,6 +668,21 @@ def time_to_result_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _scaling(model_dir: Path, args: argparse.Namespace) -> dict:
+    from bench_scaling import bench_scaling, scaling_table  # benchmarks/ is the script's path
+
+    out = bench_scaling(
+        model_dir,
+        args.scaling_cases,
+        args.scaling_budget_s,
+        args.scaling_case_limit_s,
+        args.scaling_max_batch,
+    )
+    out["table"] = scaling_table(out)
+    print(out["table"], flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench_results.json")
@@ -590,6 +691,12 @@ def main() -> None:
     parser.add_argument(
         "--sections", default="rollout,inference,actor,weight_sync,grpo_step,grpo_step_2gpu,trl"
     )
+    parser.add_argument(
+        "--scaling-cases", default="all", help="PROMPTSxSEQ,... (e.g. 128x8192,8x1024) or all"
+    )
+    parser.add_argument("--scaling-budget-s", type=float, default=360.0)
+    parser.add_argument("--scaling-case-limit-s", type=float, default=150.0)
+    parser.add_argument("--scaling-max-batch", type=int, default=256)
     args = parser.parse_args()
     import transformers
 
@@ -615,6 +722,8 @@ def main() -> None:
         ),
         "trl": lambda: bench_trl(model_dir, root),
         "startup": lambda: bench_startup(model_dir, root),
+        "scaling": lambda: _scaling(model_dir, args),
+        "pipelining": lambda: _pipelining(root),
     }
     for name in args.sections.split(","):
         start = time.perf_counter()
@@ -633,6 +742,9 @@ def main() -> None:
     print(json.dumps(results, indent=2, default=str))
     if "startup" in results:
         print(time_to_result_table(results))
+    if "table" in results.get("scaling", {}):
+        print(results["scaling"]["table"])
+        print(memory_table(results))
 
 
 if __name__ == "__main__":

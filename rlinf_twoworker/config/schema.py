@@ -506,7 +506,8 @@ class ActorModelConfig(ModelConfig):
 class RolloutConfig(EngineSettings):
     model: ModelConfig = field(default_factory=ModelConfig)
     max_batch_size: int = 256
-    """Most sequences decoded together (prompts x group_size are split into such batches)."""
+    """Most sequences decoded together: the static engine's decode slots (fewer where the KV
+    cache would not fit; a slot is refilled as soon as its answer ends), the hf engine's batch."""
     engine: str = "auto"
     """'static' (preallocated KV cache, CUDA-graph decode), 'hf' (transformers' generate), or
     'auto' (static for Qwen2/Qwen3/Llama/Mistral models, hf otherwise)."""
