@@ -19,6 +19,8 @@ Sections (each a median of several timed runs after warm-up, CUDA-synchronised):
              the default list; --scaling-cases picks cases)
   pipelining pipelined vs sequential GRPO steps on two one-GPU nodes, answers of varied length
              (bench_pipeline.py; not in the default list)
+  qwen3      the Qwen3-0.6B shape on the static engine: greedy tokens against generate's (fp32),
+             decode tokens/s against generate (bf16) (probe_qwen3.py; not in the default list)
 The model is the DeepSeek-R1-Distill-Qwen-1.5B shape (Qwen2, random weights) saved to a local
 directory, so the library's real loading code runs. Timing lives here, never in tests.
 """
@@ -668,6 +670,14 @@ def time_to_result_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _qwen3() -> dict:
+    """The Qwen3-0.6B shape on the static engine: greedy tokens against generate's (fp32) and
+    decode tokens/s against generate (bf16); probe_qwen3.py is the same as a script."""
+    from probe_qwen3 import exactness, speed  # benchmarks/ is the script's path
+
+    return {"exactness": exactness(), "speed": speed()}
+
+
 def _scaling(model_dir: Path, args: argparse.Namespace) -> dict:
     from bench_scaling import bench_scaling, scaling_table  # benchmarks/ is the script's path
 
@@ -724,6 +734,7 @@ def main() -> None:
         "startup": lambda: bench_startup(model_dir, root),
         "scaling": lambda: _scaling(model_dir, args),
         "pipelining": lambda: _pipelining(root),
+        "qwen3": _qwen3,
     }
     for name in args.sections.split(","):
         start = time.perf_counter()
