@@ -104,12 +104,13 @@ class CrashInCheckpoint(ActorWorker):
 
 
 class OutOfMemoryActor(ActorWorker):
-    """Actor rank 1 asks the allocator for more memory than the machine has at its second
-    update (a real allocation failure, as when another process took the GPU's memory)."""
+    """Actor rank 1 asks the allocator for more memory than the machine has in the second
+    step's update (a real allocation failure, as when another process took the GPU's memory).
+    Counted in minibatches: a pipelined step calls train_step once a minibatch."""
 
     def train_step(self, shards):
-        self.updates = getattr(self, "updates", 0) + 1
-        if self.updates == 2 and self.rank == 1:
+        self.minibatches = getattr(self, "minibatches", 0) + len(shards)
+        if self.minibatches > self.cfg.algorithm.n_minibatches and self.rank == 1:
             import torch
 
             torch.empty(2**48, dtype=torch.uint8)

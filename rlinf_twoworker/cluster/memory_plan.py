@@ -109,8 +109,9 @@ class ProcessPlan:
         return sum(self.parts.values())
 
     def line(self) -> str:
-        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items() if v)
-        return f"{self.component}:{self.rank} {self.total / GIB:.2f} GiB ({parts})"
+        unit, scale = ("GiB", GIB) if self.total >= GIB // 100 else ("MiB", 1024**2)
+        parts = ", ".join(f"{k} {v / scale:.2f}" for k, v in self.parts.items() if v)
+        return f"{self.component}:{self.rank} {self.total / scale:.2f} {unit} ({parts})"
 
 
 @dataclass
