@@ -185,3 +185,80 @@ def test_a_run_whose_plan_does_not_fit_fails_before_any_component_starts(cluster
     actors = ray.util.list_named_actors(all_namespaces=True)
     started = [a for a in actors if a["namespace"] == NAMESPACE and "too-big:" in a["name"]]
     assert not [a for a in started if ":controller:" not in a["name"]], started
+
+
+COLOCATED = (
+    "cluster.num_nodes=1",
+    "cluster.num_gpus_per_node=1",
+    "cluster.component_placement={rollout:0,inference:0,reward:0,actor:0}",
+)
+
+
+def test_memory_given_back_plans_the_larger_of_the_update_and_the_other_stages(tiny):
+    shapes = {s: mp.model_shape(tiny) for s in ("actor", "rollout", "inference")}
+    big = ("runner.micro_batch_tokens=16384", "data.rollout_batch_size=64")
+    cfg = gpu_config(tiny, *COLOCATED, *big, "actor.enable_offload=true")
+    kept = mp.plan_memory(cfg, cfg.placement, shapes, offload=False).gpus[0]
+    gpu = mp.plan_memory(cfg, cfg.placement, shapes).gpus[0]
+    rollout, inference, actor = gpu.processes
+    assert all(p.idle == mp.CUDA_CONTEXT for p in gpu.processes)  # all of it given back
+    update = actor.total + 2 * mp.CUDA_CONTEXT
+    others = rollout.total + inference.total + mp.CUDA_CONTEXT
+    assert (gpu.phase(True), gpu.phase(False)) == (update, others)
+    assert gpu.total == max(update, others) < kept.total == sum(p.total for p in gpu.processes)
+    line = next(x for x in mp.MemoryPlan([gpu]).lines() if "resource rank 0" in x)
+    assert "(update " in line and "memory given back between them" in line
+    assert "while others work" in actor.line()
+    # Pipelined, the stages run at once: the offload is ignored (as RLinf does), all add up.
+    piped = gpu_config(
+        tiny, *COLOCATED, *big, "actor.enable_offload=true", "runner.pipeline=pipelined"
+    )
+    assert mp.plan_memory(piped, piped.placement, shapes).gpus[0].total == kept.total
+    # The tutorial's 2 x 2: the rollout's GPU has no actor rank, so the rollout keeps its memory.
+    apart = gpu_config(tiny, *big, "actor.enable_offload=true", "runner.pipeline=sequential")
+    by_rank = {g.resource_rank: g for g in mp.plan_memory(apart, apart.placement, shapes).gpus}
+    assert by_rank[0].processes[0].idle is None and by_rank[2].processes[0].idle is not None
+
+
+@pytest.fixture(scope="module")
+def shape_1_5b(tmp_path_factory) -> Path:
+    """The 1.5B shape (DeepSeek-R1-Distill-Qwen-1.5B's config; the plan reads no weights)."""
+    from transformers import Qwen2Config
+
+    directory = tmp_path_factory.mktemp("qwen2-1.5b-config")
+    Qwen2Config(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ).save_pretrained(directory)
+    return directory
+
+
+def test_the_plan_turns_offload_on_only_when_it_is_left_to_it_and_needed(shape_1_5b):
+    shapes = {s: mp.model_shape(shape_1_5b) for s in ("actor", "rollout", "inference")}
+    cfg = gpu_config(shape_1_5b, *COLOCATED)
+    assert cfg.actor.enable_offload is None and cfg.actor.activation_checkpointing is None
+
+    def total(recompute: bool, offload: bool) -> int:
+        return mp.plan_memory(cfg, cfg.placement, shapes, None, recompute, offload).total_bytes
+
+    both, recompute_only = total(True, True), total(True, False)
+    assert both < min(recompute_only, total(False, True))
+    budget = {0: (both + min(recompute_only, total(False, True))) // 2}
+    # The tutorial's job colocated on a 40 GiB card: only both fit (the benchmark measures it).
+    assert both < 40 * GIB < min(recompute_only, total(False, True))
+    plan, notes = mp.settle_plan(cfg, cfg.placement, shapes, budget)
+    assert plan.too_big() == [] and cfg.actor.offload and cfg.actor.recompute
+    assert plan.settings["actor_offload"] is True and cfg.offloads
+    assert [n.split(" turned on")[0] for n in notes] == [
+        "MEMORY_PLAN actor activation recompute",
+        "MEMORY_PLAN actor offload",
+    ]
+    refused = gpu_config(shape_1_5b, *COLOCATED, "actor.enable_offload=false")
+    plan, notes = mp.settle_plan(refused, refused.placement, shapes, budget)
+    assert notes == [] and plan.too_big() and refused.actor.enable_offload is False
+    assert "actor.enable_offload=true" in str(mp.refusal(plan, refused))

@@ -103,15 +103,24 @@ class ProcessPlan:
     rank: int
     resource_rank: int
     parts: dict[str, int]
+    idle: int | None = None
+    """Bytes it keeps while another process on its GPU works, when it gives the rest back
+    (actor.enable_offload); None: it keeps its peak."""
 
     @property
     def total(self) -> int:
         return sum(self.parts.values())
 
+    @property
+    def held(self) -> int:
+        """What it holds while the others work."""
+        return self.total if self.idle is None else self.idle
+
     def line(self) -> str:
         unit, scale = ("GiB", GIB) if self.total >= GIB // 100 else ("MiB", 1024**2)
         parts = ", ".join(f"{k} {v / scale:.2f}" for k, v in self.parts.items() if v)
-        return f"{self.component}:{self.rank} {self.total / scale:.2f} {unit} ({parts})"
+        idle = "" if self.idle is None else f", {self.idle / scale:.2f} {unit} while others work"
+        return f"{self.component}:{self.rank} {self.total / scale:.2f} {unit} ({parts}){idle}"
 
 
 @dataclass
@@ -126,7 +135,18 @@ class GpuPlan:
 
     @property
     def total(self) -> int:
-        return sum(p.total for p in self.processes)
+        """The GPU's peak: every process at its peak at once, or, where processes give memory
+        back (actor.enable_offload, sequential stages), the larger of the update (the actor
+        ranks at their peaks, the others idle) and the other stages (the others at their
+        peaks, the actor ranks idle)."""
+        if all(p.idle is None for p in self.processes):
+            return sum(p.total for p in self.processes)
+        return max(self.phase(training=True), self.phase(training=False))
+
+    def phase(self, training: bool) -> int:
+        return sum(
+            p.total if (p.component == "actor") == training else p.held for p in self.processes
+        )
 
     @property
     def fits(self) -> bool:
@@ -151,9 +171,22 @@ class MemoryPlan:
                 else f"of {gpu.budget / GIB:.1f} GiB ({gpu.budget_source})"
             )
             verdict = "fits" if gpu.fits else "DOES NOT FIT"
-            out.append(f"MEMORY_PLAN {gpu.where()}: {gpu.total / GIB:.1f} GiB {budget}: {verdict}")
+            phases = ""
+            if any(p.idle is not None for p in gpu.processes):
+                phases = (
+                    f" (update {gpu.phase(True) / GIB:.1f}, other stages "
+                    f"{gpu.phase(False) / GIB:.1f}: memory given back between them)"
+                )
+            out.append(
+                f"MEMORY_PLAN {gpu.where()}: {gpu.total / GIB:.1f} GiB{phases} {budget}: {verdict}"
+            )
             out += [f"MEMORY_PLAN   {p.line()}" for p in gpu.processes]
         return out
+
+    @property
+    def total_bytes(self) -> int:
+        """Every GPU's estimate added up."""
+        return sum(gpu.total for gpu in self.gpus)
 
     def too_big(self) -> list[GpuPlan]:
         return [gpu for gpu in self.gpus if not gpu.fits]
@@ -180,6 +213,7 @@ class MemoryPlan:
                             "component": p.component,
                             "rank": p.rank,
                             "estimate_gib": round(p.total / GIB, 3),
+                            "idle_gib": None if p.idle is None else round(p.idle / GIB, 3),
                             "parts_gib": {k: round(v / GIB, 3) for k, v in p.parts.items()},
                         }
                         for p in g.processes
@@ -294,12 +328,17 @@ def plan_memory(
     shapes: Mapping[str, ModelShape],
     free: Mapping[int, int] | None = None,
     recompute: bool | None = None,
+    offload: bool | None = None,
 ) -> MemoryPlan:
     """The plan of every GPU. `shapes`: model section ('actor', 'rollout', 'inference') ->
     its shape; `free`: resource rank -> free bytes the preflight saw (None: unknown, as on CPU
-    runs); `recompute`: the actor's activation recompute (None: as the config says)."""
+    runs); `recompute`: the actor's activation recompute, `offload`: actor.enable_offload
+    (None: as the config says)."""
     recompute = cfg.actor.recompute if recompute is None else recompute
+    offload = cfg.actor.offload if offload is None else offload
+    offload = offload and not cfg.pipelined  # RLinf ignores it when pipelined; so does the run
     ranks = len(placement.of("actor"))
+    actor_gpus = {slot.resource_rank for slot in placement.of("actor")}
     cap = cfg.cluster.max_gpu_memory_gb
     gpus: dict[int, GpuPlan] = {}
     for slot in placement.slots:
@@ -310,7 +349,13 @@ def plan_memory(
             slot.resource_rank,
             GpuPlan(slot.resource_rank, slot.bundle, slot.local_gpu, []),
         )
-        gpu.processes.append(ProcessPlan(slot.component, slot.rank, slot.resource_rank, parts))
+        process = ProcessPlan(slot.component, slot.rank, slot.resource_rank, parts)
+        if offload and (
+            slot.component == "actor"
+            or (slot.component in ("rollout", "inference") and slot.resource_rank in actor_gpus)
+        ):
+            process.idle = parts.get("cuda_context", 0)  # weights, state, caches given back
+        gpu.processes.append(process)
     for gpu in gpus.values():
         seen = None if free is None else free.get(gpu.resource_rank)
         limits = []
@@ -320,7 +365,7 @@ def plan_memory(
             limits.append((int(cap * GIB), "cluster.max_gpu_memory_gb"))
         if limits:
             gpu.budget, gpu.budget_source = min(limits)
-    settings = {"actor_recompute": recompute, "actor_ranks": ranks}
+    settings = {"actor_recompute": recompute, "actor_offload": offload, "actor_ranks": ranks}
     return MemoryPlan(sorted(gpus.values(), key=lambda g: g.resource_rank), settings)
 
 
@@ -381,6 +426,16 @@ def remedies(plan: MemoryPlan, cfg: GRPOConfig) -> list[str]:
         "inference.activations": "a lower runner.logprob_micro_batch_tokens",
     }
     out: list[str] = []
+    shared = any(
+        {p.component for p in gpu.processes} - {"actor"}
+        and "actor" in {p.component for p in gpu.processes}
+        for gpu in plan.too_big()
+    )
+    if shared and not plan.settings.get("actor_offload") and not cfg.pipelined:
+        out.append(
+            "actor.enable_offload=true (the actor's GPU is shared: its state leaves it "
+            "between updates)"
+        )
     for key, _ in sorted(biggest.items(), key=lambda kv: -kv[1]):
         hint = advice.get(key)
         if hint and hint not in out:
@@ -397,22 +452,43 @@ def settle_plan(
     shapes: Mapping[str, ModelShape],
     free: Mapping[int, int] | None,
 ) -> tuple[MemoryPlan, list[str]]:
-    """The run's plan and what it decided: where the actor's activation recompute is left to
-    the plan (actor.activation_checkpointing null) and the GPUs fit only with it, it is turned
-    on in `cfg` (before the components are started with it)."""
+    """The run's plan and what it decided. Where the actor's activation recompute
+    (actor.activation_checkpointing) or its offload (actor.enable_offload) is left to the plan
+    (null) and the GPUs fit only with them, the cheapest choice that fits is made in `cfg`
+    (before the components start with it): recompute alone, then offload alone, then both."""
     plan = plan_memory(cfg, placement, shapes, free)
-    if not plan.too_big() or cfg.actor.recompute_choice is not None:
+    if not plan.too_big():
         return plan, []
-    with_recompute = plan_memory(cfg, placement, shapes, free, recompute=True)
-    if with_recompute.too_big():
-        return plan, []
-    cfg.actor.activation_checkpointing = True
-    where = "; ".join(gpu.where() for gpu in plan.too_big())
-    note = (
-        "MEMORY_PLAN actor activation recompute turned on (actor.activation_checkpointing "
-        f"is null and {where} fits only with it; set it to false to refuse instead)"
-    )
-    return with_recompute, [note]
+    recompute_free = cfg.actor.recompute_choice is None
+    offload_free = cfg.actor.enable_offload is None and not cfg.pipelined
+    choices: list[tuple[bool | None, bool | None]] = [(True, None)] if recompute_free else []
+    if offload_free:
+        choices.append((None, True))
+        if recompute_free:
+            choices.append((True, True))
+    for recompute, offload in choices:
+        tried = plan_memory(cfg, placement, shapes, free, recompute=recompute, offload=offload)
+        if tried.too_big():
+            continue
+        where = "; ".join(gpu.where() for gpu in plan.too_big())
+        notes = []
+        if recompute:
+            cfg.actor.activation_checkpointing = True
+            notes.append(
+                "MEMORY_PLAN actor activation recompute turned on (actor.activation_"
+                f"checkpointing is null and {where} fits only with it; set it to false to "
+                "refuse instead)"
+            )
+        if offload:
+            cfg.actor.enable_offload = True
+            notes.append(
+                "MEMORY_PLAN actor offload turned on: parameters and optimiser state in CPU "
+                "memory outside the update, the rollout's and inference's memory given back "
+                f"during it (actor.enable_offload is null and {where} fits only with it; set "
+                "it to false to refuse instead)"
+            )
+        return tried, notes
+    return plan, []
 
 
 def explain_oom(exc: BaseException, plan: MemoryPlan | None, step: int) -> BaseException:

@@ -175,11 +175,6 @@ RULES: tuple[Rule, ...] = (
     Rule("inference.tokenizer.padding_side", None, "inference reads token ids, not text"),
     Rule("actor.group_name", None, _NAME),
     Rule("actor.training_backend", ("fsdp",), "the actor trains with FSDP2; set fsdp"),
-    Rule(
-        "actor.enable_offload",
-        (False,),
-        "offloading the actor between stages is not supported; set it false",
-    ),
     Rule("actor.model.model_type", None, "the architecture is read from config.json"),
     Rule("actor.model.is_lora", (False,), "LoRA is not supported; set it false"),
     Rule("actor.model.tensor_model_parallel_size", (1,), "the actor is FSDP only; set 1"),

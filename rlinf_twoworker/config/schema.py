@@ -634,7 +634,13 @@ class ActorConfig:
     fsdp_config: FsdpConfig = field(default_factory=FsdpConfig)
     group_name: str = "ActorGroup"
     training_backend: str = "fsdp"
-    enable_offload: bool = False
+    enable_offload: bool | None = None
+    """RLinf's meaning: outside its update the actor keeps its parameters and optimiser state in
+    CPU memory (gradients freed), loading them back to train and to sync, so the components it
+    shares a GPU with can use that memory; where the rollout or inference share a GPU with an
+    actor rank they also give theirs back during the update (the rollout its KV cache, both
+    their weights, which the sync refills). Ignored when the step is pipelined (as RLinf
+    does). None: off, unless the memory plan finds that a GPU fits only with it."""
     mixed_precision: bool = True
     """On GPUs: FSDP2 bf16 parameters with fp32 gradient reduction (master weights stay fp32)."""
     activation_checkpointing: bool | None = None
@@ -660,6 +666,11 @@ class ActorConfig:
     def recompute(self) -> bool:
         """Whether decoder-layer activations are recomputed in the backward pass."""
         return bool(self.recompute_choice)
+
+    @property
+    def offload(self) -> bool:
+        """Whether the actor offloads between updates (as set; the plan may turn it on)."""
+        return bool(self.enable_offload)
 
     @property
     def recompute_choice(self) -> bool | None:
@@ -842,6 +853,12 @@ class GRPOConfig:
         trainer = next(c.name for c in components.in_run(self) if c.trains)
         placement = self.placement
         return not set(placement.ranks("rollout")) & set(placement.ranks(trainer))
+
+    @property
+    def offloads(self) -> bool:
+        """actor.enable_offload in effect: on and the step sequential (RLinf ignores it in its
+        pipeline mode, where the stages run at once)."""
+        return self.actor.offload and not self.pipelined
 
     @property
     def rollout_chunks(self) -> int:

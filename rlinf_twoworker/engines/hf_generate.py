@@ -47,3 +47,6 @@ class GenerateEngine:
 
     def weights_loaded(self) -> None:
         """generate reads the parameters directly: nothing to redo."""
+
+    def release_memory(self) -> None:
+        """generate sizes its cache per call: nothing is kept between calls."""

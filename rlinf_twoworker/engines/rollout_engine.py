@@ -56,6 +56,11 @@ class RolloutEngine(Protocol):
         """The model's parameters were overwritten in place (a weight sync)."""
         ...
 
+    def release_memory(self) -> None:
+        """Drop what the engine keeps between calls on the device (KV caches, captured graphs):
+        another component needs the memory (actor.enable_offload); the next call rebuilds it."""
+        ...
+
 
 Builder = Callable[..., RolloutEngine]
 """builder(model, max_batch_size=..., memory_budget_bytes=..., where=...) -> an engine."""

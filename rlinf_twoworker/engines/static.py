@@ -555,3 +555,10 @@ class StaticEngine:
         """The sync writes into the parameters, which the fused projections alias; re-fuse
         should anything have rebound them (idempotent when nothing did)."""
         fuse_projections(self.model)
+
+    def release_memory(self) -> None:
+        """Drop every sampler (their KV caches, decode state and captured graphs): the next
+        generate() builds its sampler again, sized to the memory free then, and captures its
+        graph again (the compiled kernels are kept)."""
+        self.samplers.clear()
+        self.last = None

@@ -171,7 +171,7 @@ def whiten(advantages: list[torch.Tensor], masks: list[torch.Tensor]) -> list[to
     ]
 
 
-_NOT_MEANS = ("ratio_max", "lr", "logprob_diff_max", "skipped_steps")
+_NOT_MEANS = ("ratio_max", "lr", "logprob_diff_max", "skipped_steps", "offload_seconds")
 
 
 def merge_train_stats(parts: list[TrainStats]) -> TrainStats:
@@ -187,6 +187,7 @@ def merge_train_stats(parts: list[TrainStats]) -> TrainStats:
         ratio_max=max(p.metrics["ratio_max"] for p in parts),
         skipped_steps=sum(p.metrics["skipped_steps"] for p in parts),
         lr=parts[-1].metrics["lr"],
+        offload_seconds=sum(p.metrics.get("offload_seconds", 0.0) for p in parts),
     )
     if "logprob_diff_max" in first:
         metrics["logprob_diff_max"] = first["logprob_diff_max"]

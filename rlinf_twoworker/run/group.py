@@ -96,6 +96,12 @@ class ComponentGroup:
         sync's relay across the node boundary)."""
         return [m for c in self.table.values() if c.receives_weights for m in self.members[c.name]]
 
+    def copies_beside_actors(self) -> list[Member]:
+        """The policy copies on a GPU that an actor rank uses (they give their memory back
+        during the update under actor.enable_offload)."""
+        gpus = {m.slot.resource_rank for m in self.actors()}
+        return [m for m in self.policy_copies() if m.slot.resource_rank in gpus]
+
     def describe(self, member: Member) -> str:
         w = member.where
         host = f"{w['host']}/" if w.get("host") else ""

@@ -167,6 +167,13 @@ async def run_sequential(
     for result, adv in zip(done, advs):
         for rank, own in enumerate(_shards(cfg, step, result, adv, ranks)):
             shards[rank] += own
+    if cfg.offloads:  # the copies on the actor's GPUs give their memory back for the update
+        await group.call_each(
+            group.copies_beside_actors(),
+            "release_memory",
+            timeout=cfg.runner.timeouts.step_s,
+            stage=f"step {step} memory release",
+        )
     marks.first("first_update_start")
     trained: list[TrainStats] = await group.call_each(
         group.actors(),

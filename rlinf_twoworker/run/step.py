@@ -126,6 +126,14 @@ async def run_step(
     schedule = run_pipelined if cfg.pipelined else run_sequential
     ran = await schedule(group, cfg, step, plan_chunks(cfg, step), prompts, solutions, marks)
     synced = await sync_weights(group, cfg)
+    if cfg.offloads:  # the actor's parameters and optimiser state back to CPU memory
+        offloaded = await group.call_each(
+            group.actors(),
+            "offload",
+            timeout=cfg.runner.timeouts.step_s,
+            stage=f"step {step} actor offload",
+        )
+        synced["offload_seconds"] = max(o["seconds"] for o in offloaded)
     step_s = time.perf_counter() - marks.start
     return StepResult(
         step=step,
@@ -174,12 +182,21 @@ def _timings(
         **({"time/reference": sum(refs)} if refs else {}),
         "time/actor/forward_backward": max(t.forward_backward_seconds for t in trained),
         "time/actor/optimizer": max(t.optimizer_seconds for t in trained),
+        **_offload_timing(trained, synced),
         "time/step": step_s,
         # The stages' seconds beyond the step's: work done while another stage ran (the
         # reference always runs beside inference, so it is left out).
         "time/overlap": max(0.0, sum(stages.values()) - step_s),
         **{f"time/at/{name}": seconds for name, seconds in at.items()},
     }
+
+
+def _offload_timing(trained: list, synced: dict[str, float]) -> dict[str, float]:
+    """actor.enable_offload's cost: the slowest rank's moves to and from CPU memory."""
+    if "offload_seconds" not in synced:
+        return {}
+    moved = max(t.metrics.get("offload_seconds", 0.0) for t in trained)
+    return {"time/actor/offload": moved + synced["offload_seconds"]}
 
 
 async def validate(

@@ -7,9 +7,11 @@ minibatch, independent of how rows are split across ranks and micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from rlinf_twoworker.engines.models import (
     response_logprobs,
     run_or_eager,
 )
+from rlinf_twoworker.engines.offload import ActorOffload
 from rlinf_twoworker.engines.weight_sync import export_weights, send_weights
 from rlinf_twoworker.messages import ActorShard, TrainStats
 from rlinf_twoworker.workers.base import Worker
@@ -171,6 +174,11 @@ class ActorWorker(Worker):
             fused=self.device.type == "cuda",
         )
         self.scheduler = lr_scheduler(self.optimizer, cfg)
+        # actor.enable_offload (sequential steps): parameters and optimiser state live in CPU
+        # memory outside the update, as in RLinf from the start.
+        self.offloader = ActorOffload(model, self.optimizer, self.device)
+        if cfg.offloads:
+            self.offloader.offload()
 
     def _minibatch(self, shard: ActorShard, first: bool) -> dict[str, float]:
         """One optimiser step on this rank's share of a minibatch. `first`: also measure the
@@ -290,8 +298,11 @@ class ActorWorker(Worker):
         """One GRPO update: one optimiser step per minibatch shard given to this rank. Means
         over the minibatches (RLinf logs each minibatch; a step's value is their mean)."""
         start = time.perf_counter()
+        self.offloader.load()  # back from CPU memory when offloaded
         self.model.train()
         results = [self._minibatch_or_eager(s, i == 0) for i, s in enumerate(shards)]
+        if self.cfg.offloads:  # as RLinf: the optimiser state leaves before the sync
+            self.offloader.offload_optimizer()
         special = ("ratio_max", "lr", "tokens", "optimizer_seconds", "logprob_diff_max")
         metrics = {
             k: sum(r[k] for r in results) / len(results) for k in results[0] if k not in special
@@ -301,6 +312,7 @@ class ActorWorker(Worker):
             logprob_diff_max=results[0]["logprob_diff_max"],
             skipped_steps=sum(r["skipped_steps"] for r in results),
             lr=results[-1]["lr"],
+            offload_seconds=self.offloader.take_seconds(),
         )
         return TrainStats(
             metrics=metrics,
@@ -317,6 +329,7 @@ class ActorWorker(Worker):
         """Colocated sync: keep the weight buckets on the GPU and hand out CUDA IPC handles
         (rank 0; other ranks only join the gathers). `release_weights` frees the buckets."""
         start = time.perf_counter()
+        self.offloader.load_params()
         is_source = dist.get_rank() == self.sync.source
         self._exported, handles = export_weights(self.model, getattr(torch, sync_dtype), is_source)
         nbytes = sum(b.numel() * b.element_size() for b in self._exported)
@@ -327,10 +340,32 @@ class ActorWorker(Worker):
 
     def send_weights(self, sync_dtype: str) -> dict[str, float]:
         start = time.perf_counter()
+        self.offloader.load_params()
         sent = send_weights(self.model, self.sync, getattr(torch, sync_dtype))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return {"bytes": sent, "seconds": time.perf_counter() - start}
+
+    def offload(self) -> dict[str, float]:
+        """After the step's sync (actor.enable_offload): parameters and optimiser state to CPU
+        memory, gradients freed, the cached blocks handed back for the other components."""
+        self.offloader.offload()
+        return {"seconds": self.offloader.take_seconds()}
+
+    def weights_digest(self, sync_dtype: str) -> str:
+        self.offloader.load_params()
+        return super().weights_digest(sync_dtype)
+
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        """Everything on the GPU for a checkpoint, offloaded again after when it was."""
+        was_away = self.offloader.params_away or self.offloader.optimizer_away
+        self.offloader.load()
+        try:
+            yield
+        finally:
+            if was_away:
+                self.offloader.offload()
 
     def _state(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -348,11 +383,16 @@ class ActorWorker(Worker):
         """Write this rank's DCP shard (a collective of the actor group)."""
         start = time.perf_counter()
         Path(path).mkdir(parents=True, exist_ok=True)
-        dcp.save(self._state(), checkpoint_id=path, process_group=self.actor_group)
+        with self._on_device():
+            dcp.save(self._state(), checkpoint_id=path, process_group=self.actor_group)
         return {"seconds": time.perf_counter() - start}
 
     def load_checkpoint(self, path: str) -> None:
         """Restore model, optimiser, lr schedule and this rank's RNG from a DCP checkpoint."""
+        with self._on_device():
+            self._load_checkpoint(path)
+
+    def _load_checkpoint(self, path: str) -> None:
         state = self._state()
         dcp.load(state, checkpoint_id=path, process_group=self.actor_group)
         inner = state["fsdp_checkpoint"]

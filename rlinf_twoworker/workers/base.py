@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rlinf_twoworker.config import GRPOConfig
-from rlinf_twoworker.engines import compile_cache, weight_sync
+from rlinf_twoworker.engines import compile_cache, offload, weight_sync
 from rlinf_twoworker.engines.compile_cache import CompileCache
 from rlinf_twoworker.engines.models import device_for, load_causal_lm
 from rlinf_twoworker.engines.weight_sync import SyncGroups, new_sync_groups
@@ -241,11 +241,25 @@ class PolicyCopy(Worker):
     def receive_weights(self, sync_dtype: str) -> dict[str, float]:
         """Take part in the collective weight sync (actor ranks send)."""
         start = time.perf_counter()
+        offload.restore_weights(self.model)  # given back for the update: the sync refills it
         got = weight_sync.receive_weights(self.model, self.sync, getattr(torch, sync_dtype))
         return {"bytes": got, "seconds": time.perf_counter() - start}
 
     def import_weights(self, handles: list, sync_dtype: str) -> dict[str, float]:
         """Colocated sync: copy the actor's exported buckets through CUDA IPC."""
         start = time.perf_counter()
+        offload.restore_weights(self.model)
         got = weight_sync.import_weights(self.model, handles, getattr(torch, sync_dtype))
         return {"bytes": got, "seconds": time.perf_counter() - start}
+
+    def release_memory(self) -> dict[str, float]:
+        """Give this copy's GPU memory back while an actor rank on its GPU trains
+        (actor.enable_offload): its weights (the next sync writes them all) and its cache."""
+        start = time.perf_counter()
+        freed = offload.release_weights(self.model)
+        offload.free_cached(self.device)
+        return {"bytes": float(freed), "seconds": time.perf_counter() - start}
+
+    def weights_digest(self, sync_dtype: str) -> str:
+        offload.require_weights(self.model, f"{self.component} rank {self.rank}")
+        return super().weights_digest(sync_dtype)

@@ -12,6 +12,7 @@ import time
 import torch
 
 from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.engines import offload
 from rlinf_twoworker.engines.models import (
     SequenceBatch,
     compile_layers,
@@ -47,6 +48,7 @@ class InferenceWorker(PolicyCopy):
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch) -> LogProbs:
         start = time.perf_counter()
+        offload.require_weights(self.model, f"{self.component} rank {self.rank}")
         logprobs = run_or_eager(
             lambda: self._logprobs(batch),
             self.fused,

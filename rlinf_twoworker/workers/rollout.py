@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.engines import offload
 from rlinf_twoworker.engines.models import SequenceBatch, dtype_for, load_tokenizer
 from rlinf_twoworker.engines.rollout_engine import SamplingSettings, choose_engine
 from rlinf_twoworker.messages import Rollout
@@ -81,6 +82,10 @@ class RolloutWorker(PolicyCopy):
         self.engine.weights_loaded()
         return got
 
+    def release_memory(self) -> dict[str, float]:
+        self.engine.release_memory()  # its KV caches and graphs, before the weights
+        return super().release_memory()
+
     def _sampling_kwargs(self) -> dict[str, Any]:
         """The sampling settings for either engine, every one passed explicitly: generate()
         would otherwise take it from the model's generation_config (Qwen2.5-Instruct's sets
@@ -101,6 +106,7 @@ class RolloutWorker(PolicyCopy):
     def generate(self, prompts: list[list[int]], seed: int) -> Rollout:
         """Answers for each prompt, `group_size` rows per prompt, contiguous per group."""
         start = time.perf_counter()
+        offload.require_weights(self.model, f"rollout rank {self.rank}")
         group = self.cfg.algorithm.group_size
         rows = [p for p in prompts for _ in range(group)]
         pad_id = self.tokenizer.pad_token_id
