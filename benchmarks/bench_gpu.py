@@ -562,10 +562,18 @@ def memory_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _tutorial_job(model_dir: Path, root: Path, run_id: str, cache: Path, inductor: Path) -> dict:
+def _tutorial_job(
+    model_dir: Path,
+    root: Path,
+    run_id: str,
+    cache: Path,
+    inductor: Path,
+    extra: tuple = (),
+    steps: int = 2,
+) -> dict:
     """The tutorial's job as a user runs it: the library's defaults, 2 steps, a checkpoint at
-    step 2, colocated on this GPU; `inductor` is this "node"'s local compile cache (fresh: a new
-    node), `cache` the shared one on storage."""
+    the last step, colocated on this GPU; `inductor` is this "node"'s local compile cache
+    (fresh: a new node), `cache` the shared one on storage; `extra` overrides, `steps` steps."""
     import ray
 
     from rlinf_twoworker.api.demo import make_inputs
@@ -590,6 +598,9 @@ def _tutorial_job(model_dir: Path, root: Path, run_id: str, cache: Path, inducto
             f"runner.output_dir={root / 'runs'}",
             f"runner.experiment_name={run_id}",
             f"runner.compile_cache_dir={cache}",
+            f"runner.max_steps={steps}",
+            f"runner.save_interval={steps}",
+            *extra,
         ]
     )
     with LocalCluster(num_nodes=nodes, gpus_per_node=gpus), GpuMemorySampler() as gpu_used:
@@ -597,11 +608,28 @@ def _tutorial_job(model_dir: Path, root: Path, run_id: str, cache: Path, inducto
         handle = run_grpo_two_worker(cfg)
         first = ray.get(handle.step(1), timeout=900)
         to_step1 = time.perf_counter() - called
-        second = ray.get(handle.step(2), timeout=900)
+        later = [ray.get(handle.step(n), timeout=900) for n in range(2, steps + 1)]
+        saved = ray.get(handle.checkpoint(steps), timeout=900)
         report = handle.result(timeout=900)
         to_verification = time.perf_counter() - called
+        verified_at = time.time()
+    second = later[0]
     main_log = (root / "runs" / run_id / "log" / "main.log").read_text()
     return {
+        "overrides": list(extra),
+        "steps_s": [r.timings["time/step"] for r in [first, *later]],
+        "median_later_step_s": statistics.median(
+            r.timings["time/step"] for r in later[1:] or later
+        ),
+        "offload_s": [r.timings.get("time/actor/offload") for r in [first, *later]],
+        # The job's tail: the last step's end to its checkpoint on storage, then to the report.
+        "checkpoint_s": saved.finished_at - later[-1].finished_at,
+        "checkpoint_to_verification_s": verified_at - saved.finished_at,
+        "memory_plan_lines": [
+            line.split("MEMORY_PLAN", 1)[1].strip()
+            for line in main_log.splitlines()
+            if "MEMORY_PLAN" in line
+        ],
         "call_to_step1_s": to_step1,
         "job_to_verification_s": to_verification,
         "startup_phases_s": first.startup,
@@ -620,7 +648,7 @@ def _tutorial_job(model_dir: Path, root: Path, run_id: str, cache: Path, inducto
         ],
         "verification_passed": report.passed,
         "verification_errors": report.errors[:5],
-        "memory_plan_vs_measured": plan_vs_measured(root / "runs" / run_id, [first, second]),
+        "memory_plan_vs_measured": plan_vs_measured(root / "runs" / run_id, [first, *later]),
         "gpu_used_peak_gib_nvidia_smi": gpu_used.peak_gib(),
         "compile_cache_lines": [
             line.split("COMPILE_CACHE", 1)[1].strip()
@@ -638,6 +666,43 @@ def bench_startup(model_dir: Path, root: Path) -> dict:
     cold = _tutorial_job(model_dir, root, f"startup-cold-{stamp}", cache, root / f"node-a-{stamp}")
     warm = _tutorial_job(model_dir, root, f"startup-warm-{stamp}", cache, root / f"node-b-{stamp}")
     return {"cold": cold, "warm": warm, "targets": TARGETS}
+
+
+def bench_memory(model_dir: Path, root: Path, steps: int = 5) -> dict:
+    """Fit a 40 GB card: the tutorial's job colocated on this GPU with the defaults, then with
+    cluster.max_gpu_memory_gb=40 (the plan turns on what it needs: activation recompute, the
+    actor's offload and the copies' memory given back), both on one warm compile cache; the
+    nvidia-smi peak of each and the step time with and without the savings."""
+    stamp = int(time.time())
+    cache = root / f"compile-cache-mem-{stamp}"
+    node = root / f"node-mem-{stamp}"
+    runs = {}
+    for name, extra in (("defaults", ()), ("budget_40gb", ("cluster.max_gpu_memory_gb=40",))):
+        try:
+            runs[name] = _tutorial_job(
+                model_dir, root, f"memory-{name}-{stamp}", cache, node, extra, steps
+            )
+        except Exception as exc:  # keep the other run's figures
+            runs[name] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+        print(f"[memory/{name}] {json.dumps(runs[name], default=str)[:2500]}", flush=True)
+    return {"runs": runs, "steps": steps}
+
+
+def memory_budget_table(results: dict) -> str:
+    runs = results.get("memory", {}).get("runs", {})
+    lines = [
+        "| run | nvidia-smi peak (GiB) | median step 3-5 (s) | offload a step (s) | plan |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in runs.items():
+        plan = next((x for x in r.get("memory_plan_lines", []) if "resource rank 0" in x), "")
+        offload = [x for x in r.get("offload_s", []) if x is not None]
+        lines.append(
+            f"| {name} | {r.get('gpu_used_peak_gib_nvidia_smi')} | "
+            f"{r.get('median_later_step_s', float('nan')):.2f} | "
+            f"{statistics.median(offload) if offload else '-'} | {plan} |"
+        )
+    return "\n".join(lines)
 
 
 def time_to_result_table(results: dict) -> str:
@@ -732,6 +797,7 @@ def main() -> None:
         ),
         "trl": lambda: bench_trl(model_dir, root),
         "startup": lambda: bench_startup(model_dir, root),
+        "memory": lambda: bench_memory(model_dir, root),
         "scaling": lambda: _scaling(model_dir, args),
         "pipelining": lambda: _pipelining(root),
         "qwen3": _qwen3,
@@ -753,6 +819,8 @@ def main() -> None:
     print(json.dumps(results, indent=2, default=str))
     if "startup" in results:
         print(time_to_result_table(results))
+    if "memory" in results:
+        print(memory_budget_table(results))
     if "table" in results.get("scaling", {}):
         print(results["scaling"]["table"])
         print(memory_table(results))

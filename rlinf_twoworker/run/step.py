@@ -54,6 +54,11 @@ async def sync_weights(group: ComponentGroup, cfg: GRPOConfig) -> dict[str, floa
     if cfg.rollout.validate_weight:
         await check_weights(group, dtype, timeout)
         synced["verified"] = 1.0
+    if cfg.offloads:  # as RLinf: the actor's parameters leave the GPU once they are synced
+        offloaded = await group.call_each(
+            group.actors(), "offload", timeout=timeout, stage="actor offload after the sync"
+        )
+        synced["offload_seconds"] = max(o["seconds"] for o in offloaded)
     return synced
 
 
@@ -126,14 +131,6 @@ async def run_step(
     schedule = run_pipelined if cfg.pipelined else run_sequential
     ran = await schedule(group, cfg, step, plan_chunks(cfg, step), prompts, solutions, marks)
     synced = await sync_weights(group, cfg)
-    if cfg.offloads:  # the actor's parameters and optimiser state back to CPU memory
-        offloaded = await group.call_each(
-            group.actors(),
-            "offload",
-            timeout=cfg.runner.timeouts.step_s,
-            stage=f"step {step} actor offload",
-        )
-        synced["offload_seconds"] = max(o["seconds"] for o in offloaded)
     step_s = time.perf_counter() - marks.start
     return StepResult(
         step=step,
