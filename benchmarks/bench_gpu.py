@@ -622,6 +622,17 @@ def _tutorial_job(
             r.timings["time/step"] for r in later[1:] or later
         ),
         "offload_s": [r.timings.get("time/actor/offload") for r in [first, *later]],
+        "per_step_gpu_memory_gib": [
+            {
+                k.removeprefix("memory/"): round(v, 2)
+                for k, v in r.metrics.items()
+                if k.startswith("memory/") and "gpu_peak" in k
+            }
+            for r in [first, *later]
+        ],
+        "response_length_max": [
+            r.metrics.get("rollout/response_length_max") for r in [first, *later]
+        ],
         # The job's tail: the last step's end to its checkpoint on storage, then to the report.
         "checkpoint_s": saved.finished_at - later[-1].finished_at,
         "checkpoint_to_verification_s": verified_at - saved.finished_at,
@@ -677,10 +688,16 @@ def bench_memory(model_dir: Path, root: Path, steps: int = 5) -> dict:
     cache = root / f"compile-cache-mem-{stamp}"
     node = root / f"node-mem-{stamp}"
     runs = {}
-    for name, extra in (("defaults", ()), ("budget_40gb", ("cluster.max_gpu_memory_gb=40",))):
+    budget = "cluster.max_gpu_memory_gb=40"
+    for name, extra, n in (
+        ("defaults", (), steps),
+        ("budget_40gb", (budget,), steps),
+        # What the entropy metric costs the actor (its kernel keeps vocabulary-wide tensors).
+        ("budget_40gb_no_entropy", (budget, "algorithm.calculate_entropy=false"), 3),
+    ):
         try:
             runs[name] = _tutorial_job(
-                model_dir, root, f"memory-{name}-{stamp}", cache, node, extra, steps
+                model_dir, root, f"memory-{name}-{stamp}", cache, node, extra, n
             )
         except Exception as exc:  # keep the other run's figures
             runs[name] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}

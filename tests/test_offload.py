@@ -73,14 +73,20 @@ def test_the_actors_optimizer_state_moves_and_its_gradients_are_freed():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
     optimizer.step()
+    before = [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()]
     mover = offload.ActorOffload(model, optimizer, torch.device("cpu"))
     mover.offload_optimizer()
     assert all(p.grad is None for p in model.parameters()) and mover.optimizer_away
+    assert not any(torch.is_tensor(v) for s in optimizer.state.values() for v in s.values())
     mover.offload_params()
     mover.load()
     assert not (mover.params_away or mover.optimizer_away)
     states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     assert states and all(v.device.type == "cpu" for v in states)
+    for was, now in zip(before, optimizer.state.values()):  # the values came back unchanged
+        assert was.keys() == now.keys()
+        for key in was:
+            torch.testing.assert_close(now[key], was[key], rtol=0, atol=0)
     assert mover.take_seconds() >= 0 and mover.take_seconds() == 0
 
 

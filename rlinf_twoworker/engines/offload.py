@@ -68,14 +68,60 @@ def require_weights(model: torch.nn.Module, where: str) -> None:
         )
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> int:
-    """Move every tensor of the optimiser's state to `device`; returns the bytes moved."""
+class _Away:
+    """An optimiser state tensor while it lives in CPU memory: its local values (pinned on
+    GPU hosts, reused from step to step) and, for a DTensor, how to rebuild it."""
+
+    def __init__(self, value: torch.Tensor, host: torch.Tensor | None) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self.dtensor = (
+            (value.device_mesh, value.placements, value.shape, value.stride())
+            if isinstance(value, DTensor)
+            else None
+        )
+        local = value.to_local() if isinstance(value, DTensor) else value
+        pin = local.device.type == "cuda"
+        if host is None or host.shape != local.shape or host.dtype != local.dtype:
+            host = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
+        host.copy_(local, non_blocking=pin)
+        self.host = host
+
+    def back(self, device: torch.device) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        local = self.host.to(device, non_blocking=True)
+        if self.dtensor is None:
+            return local
+        mesh, placements, shape, stride = self.dtensor
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=shape, stride=stride
+        )
+
+
+def move_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    to_host: bool,
+    hosts: dict[tuple[int, str], torch.Tensor] | None = None,
+) -> int:
+    """Move every tensor of the optimiser's state to CPU memory (`to_host`: into the pinned
+    buffers of `hosts`, made on first use) or back to `device`; returns the bytes moved."""
+    hosts = {} if hosts is None else hosts
     moved = 0
-    for state in optimizer.state.values():
+    for param, state in optimizer.state.items():
         for key, value in state.items():
-            if isinstance(value, torch.Tensor):
+            slot = (id(param), key)
+            if to_host and isinstance(value, torch.Tensor):
+                away = _Away(value, hosts.get(slot))
+                hosts[slot] = away.host
+                state[key] = away
+                moved += away.host.numel() * away.host.element_size()
+            elif not to_host and isinstance(value, _Away):
+                state[key] = value.back(device)
+                moved += value.host.numel() * value.host.element_size()
+            elif not to_host and isinstance(value, torch.Tensor):
                 state[key] = value.to(device, non_blocking=True)
-                moved += value.numel() * value.element_size()
     return moved
 
 
@@ -95,6 +141,8 @@ class ActorOffload:
         self.model, self.optimizer, self.device = model, optimizer, device
         self.params_away = False
         self.optimizer_away = False
+        self.hosts: dict[tuple[int, str], torch.Tensor] = {}
+        """Pinned CPU buffers of the optimiser state, kept from step to step."""
         self.seconds = 0.0
         """Seconds spent moving, since the last `take_seconds`."""
 
@@ -111,7 +159,7 @@ class ActorOffload:
         """Gradients freed, optimiser state to CPU memory."""
         self.optimizer.zero_grad(set_to_none=True)
         if not self.optimizer_away:
-            self._timed(lambda: move_optimizer_state(self.optimizer, "cpu"))
+            self._timed(lambda: move_optimizer_state(self.optimizer, self.device, True, self.hosts))
             self.optimizer_away = True
         free_cached(self.device)
 
@@ -134,7 +182,9 @@ class ActorOffload:
         """Everything back on the GPU, for an update."""
         self.load_params()
         if self.optimizer_away:
-            self._timed(lambda: move_optimizer_state(self.optimizer, self.device))
+            self._timed(
+                lambda: move_optimizer_state(self.optimizer, self.device, False, self.hosts)
+            )
             self.optimizer_away = False
 
     def take_seconds(self) -> float:
