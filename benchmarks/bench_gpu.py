@@ -692,8 +692,6 @@ def bench_memory(model_dir: Path, root: Path, steps: int = 5) -> dict:
     for name, extra, n in (
         ("defaults", (), steps),
         ("budget_40gb", (budget,), steps),
-        # What the entropy metric costs the actor (its kernel keeps vocabulary-wide tensors).
-        ("budget_40gb_no_entropy", (budget, "algorithm.calculate_entropy=false"), 3),
     ):
         try:
             runs[name] = _tutorial_job(

@@ -68,25 +68,28 @@ def test_released_weights_free_their_memory_and_refuse_use_until_refilled():
     assert torch.isfinite(model(ids).logits).all()
 
 
-def test_the_actors_optimizer_state_moves_and_its_gradients_are_freed():
+def test_the_actors_state_leaves_and_comes_back_in_place_and_its_gradients_are_freed():
     model = tiny_qwen2().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
     optimizer.step()
-    before = [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()]
+    states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    params = list(model.parameters())
+    before = [t.detach().clone() for t in (*states, *params)]
     mover = offload.ActorOffload(model, optimizer, torch.device("cpu"))
     mover.offload_optimizer()
-    assert all(p.grad is None for p in model.parameters()) and mover.optimizer_away
-    assert not any(torch.is_tensor(v) for s in optimizer.state.values() for v in s.values())
+    assert all(p.grad is None for p in params) and mover.optimizer_away
+    assert all(v.untyped_storage().nbytes() == 0 for v in states)
     mover.offload_params()
+    assert all(p.untyped_storage().nbytes() == 0 for p in params) and mover.params_away
+    mover.offload()  # idempotent
     mover.load()
     assert not (mover.params_away or mover.optimizer_away)
-    states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    assert states and all(v.device.type == "cpu" for v in states)
-    for was, now in zip(before, optimizer.state.values()):  # the values came back unchanged
-        assert was.keys() == now.keys()
-        for key in was:
-            torch.testing.assert_close(now[key], was[key], rtol=0, atol=0)
+    now = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    assert [id(v) for v in now] == [id(v) for v in states]  # the same tensors, refilled
+    for was, tensor in zip(before, (*states, *params)):
+        torch.testing.assert_close(tensor.detach(), was, rtol=0, atol=0)
+    optimizer.step()  # and the optimiser steps on them as before
     assert mover.take_seconds() >= 0 and mover.take_seconds() == 0
 
 

@@ -1,7 +1,8 @@
 """Giving GPU memory back between stages (actor.enable_offload).
 
-The actor moves its FSDP2 parameters (`nn.Module.to`, which FSDP2 supports: its sharded
-parameters are re-registered) and its optimiser state to CPU memory, and frees its gradients;
+The actor copies the storages of its FSDP2 parameter shards and of its optimiser state to
+pinned host memory and frees them (every tensor object stays: nothing in FSDP2 or the
+optimiser is rebuilt), and frees its gradients;
 the policy copies (rollout, inference) free the storage of their weights outright: the next
 weight sync writes every parameter, so there is nothing to keep. A released copy refuses to
 compute until the sync has refilled it.
@@ -68,61 +69,55 @@ def require_weights(model: torch.nn.Module, where: str) -> None:
         )
 
 
-class _Away:
-    """An optimiser state tensor while it lives in CPU memory: its local values (pinned on
-    GPU hosts, reused from step to step) and, for a DTensor, how to rebuild it."""
+def _local(value: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
 
-    def __init__(self, value: torch.Tensor, host: torch.Tensor | None) -> None:
-        from torch.distributed.tensor import DTensor
-
-        self.dtensor = (
-            (value.device_mesh, value.placements, value.shape, value.stride())
-            if isinstance(value, DTensor)
-            else None
-        )
-        local = value.to_local() if isinstance(value, DTensor) else value
-        pin = local.device.type == "cuda"
-        if host is None or host.shape != local.shape or host.dtype != local.dtype:
-            host = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
-        host.copy_(local, non_blocking=pin)
-        self.host = host
-
-    def back(self, device: torch.device) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        local = self.host.to(device, non_blocking=True)
-        if self.dtensor is None:
-            return local
-        mesh, placements, shape, stride = self.dtensor
-        return DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=shape, stride=stride
-        )
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
-def move_optimizer_state(
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-    to_host: bool,
-    hosts: dict[tuple[int, str], torch.Tensor] | None = None,
-) -> int:
-    """Move every tensor of the optimiser's state to CPU memory (`to_host`: into the pinned
-    buffers of `hosts`, made on first use) or back to `device`; returns the bytes moved."""
-    hosts = {} if hosts is None else hosts
-    moved = 0
-    for param, state in optimizer.state.items():
-        for key, value in state.items():
-            slot = (id(param), key)
-            if to_host and isinstance(value, torch.Tensor):
-                away = _Away(value, hosts.get(slot))
-                hosts[slot] = away.host
-                state[key] = away
-                moved += away.host.numel() * away.host.element_size()
-            elif not to_host and isinstance(value, _Away):
-                state[key] = value.back(device)
-                moved += value.host.numel() * value.host.element_size()
-            elif not to_host and isinstance(value, torch.Tensor):
-                state[key] = value.to(device, non_blocking=True)
-    return moved
+class StorageSwap:
+    """Storages moved to host memory and back in place: every tensor that views them (FSDP2's
+    sharded parameters, the optimiser's moments, DTensors or not) stays the same object, so
+    nothing is re-registered or rebuilt. The host copies are pinned on GPUs and kept from step
+    to step (no page faults after the first time)."""
+
+    def __init__(self) -> None:
+        self.away: list[tuple[torch.UntypedStorage, int]] = []
+        self.hosts: list[torch.UntypedStorage] = []
+
+    def out(self, tensors: list[torch.Tensor], device: torch.device) -> int:
+        """Copy the storages under `tensors` to the host and free them; returns the bytes."""
+        if self.away:
+            return 0
+        unique: dict[int, torch.UntypedStorage] = {}
+        for t in tensors:
+            storage = _local(t).untyped_storage()
+            if storage.nbytes():
+                unique.setdefault(storage.data_ptr(), storage)
+        storages = list(unique.values())
+        pin = device.type == "cuda"
+        for i, storage in enumerate(storages):
+            n = storage.nbytes()
+            if i >= len(self.hosts) or self.hosts[i].nbytes() != n:
+                host = torch.empty(n, dtype=torch.uint8, pin_memory=pin).untyped_storage()
+                self.hosts[i : i + 1] = [host]
+            self.hosts[i].copy_(storage, non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize(device)  # copied before the memory is freed
+        for storage in storages:
+            self.away.append((storage, storage.nbytes()))
+            storage.resize_(0)
+        return sum(n for _, n in self.away)
+
+    def back(self, device: torch.device) -> int:
+        """Reallocate every storage and copy its bytes back; returns the bytes."""
+        moved = 0
+        for (storage, n), host in zip(self.away, self.hosts):
+            storage.resize_(n)
+            storage.copy_(host, non_blocking=device.type == "cuda")
+            moved += n
+        self.away = []
+        return moved
 
 
 def free_cached(device: torch.device) -> None:
@@ -135,16 +130,22 @@ def free_cached(device: torch.device) -> None:
 
 
 class ActorOffload:
-    """The actor's parameters and optimiser state, on its GPU or in CPU memory."""
+    """The actor's parameters and optimiser state, on its device or in host memory."""
 
     def __init__(self, model: Any, optimizer: torch.optim.Optimizer, device: torch.device):
         self.model, self.optimizer, self.device = model, optimizer, device
-        self.params_away = False
-        self.optimizer_away = False
-        self.hosts: dict[tuple[int, str], torch.Tensor] = {}
-        """Pinned CPU buffers of the optimiser state, kept from step to step."""
+        self.params = StorageSwap()
+        self.state = StorageSwap()
         self.seconds = 0.0
         """Seconds spent moving, since the last `take_seconds`."""
+
+    @property
+    def params_away(self) -> bool:
+        return bool(self.params.away)
+
+    @property
+    def optimizer_away(self) -> bool:
+        return bool(self.state.away)
 
     def _timed(self, fn: Any) -> None:
         import time
@@ -155,18 +156,22 @@ class ActorOffload:
             torch.cuda.synchronize(self.device)
         self.seconds += time.perf_counter() - start
 
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return [
+            v
+            for state in self.optimizer.state.values()
+            for v in state.values()
+            if torch.is_tensor(v)
+        ]
+
     def offload_optimizer(self) -> None:
-        """Gradients freed, optimiser state to CPU memory."""
+        """Gradients freed, optimiser state to host memory."""
         self.optimizer.zero_grad(set_to_none=True)
-        if not self.optimizer_away:
-            self._timed(lambda: move_optimizer_state(self.optimizer, self.device, True, self.hosts))
-            self.optimizer_away = True
+        self._timed(lambda: self.state.out(self._state_tensors(), self.device))
         free_cached(self.device)
 
     def offload_params(self) -> None:
-        if not self.params_away:
-            self._timed(lambda: self.model.to("cpu"))
-            self.params_away = True
+        self._timed(lambda: self.params.out(list(self.model.parameters()), self.device))
         free_cached(self.device)
 
     def offload(self) -> None:
@@ -174,18 +179,11 @@ class ActorOffload:
         self.offload_params()
 
     def load_params(self) -> None:
-        if self.params_away:
-            self._timed(lambda: self.model.to(self.device))
-            self.params_away = False
+        self._timed(lambda: self.params.back(self.device))
 
     def load(self) -> None:
-        """Everything back on the GPU, for an update."""
-        self.load_params()
-        if self.optimizer_away:
-            self._timed(
-                lambda: move_optimizer_state(self.optimizer, self.device, False, self.hosts)
-            )
-            self.optimizer_away = False
+        """Everything back on the device, for an update."""
+        self._timed(lambda: (self.params.back(self.device), self.state.back(self.device)))
 
     def take_seconds(self) -> float:
         seconds, self.seconds = self.seconds, 0.0

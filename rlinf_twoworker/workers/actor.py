@@ -8,6 +8,7 @@ minibatch, independent of how rows are split across ranks and micro-batches.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import time
 import warnings
@@ -336,7 +337,14 @@ class ActorWorker(Worker):
         return {"handles": handles, "bytes": nbytes, "seconds": time.perf_counter() - start}
 
     def release_weights(self) -> None:
+        """Free the exported buckets once every consumer has copied them."""
         self._exported = []
+        if self.device.type == "cuda":
+            # A block sent through CUDA IPC stays allocated until the sender collects it, even
+            # after the consumers let go: without this, every colocated sync kept one more
+            # copy of the weights (3.3 GiB a step at the 1.5B shape, measured).
+            gc.collect()
+            torch.cuda.ipc_collect()
 
     def send_weights(self, sync_dtype: str) -> dict[str, float]:
         start = time.perf_counter()
