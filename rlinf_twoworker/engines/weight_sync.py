@@ -150,17 +150,22 @@ def export_weights(
     model: torch.nn.Module,
     dtype: torch.dtype,
     is_source: bool,
+    consumers: int = 1,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> tuple[list[torch.Tensor], list]:
+) -> tuple[list[torch.Tensor], list[list]]:
     """Colocated sync, actor side: the buckets stay on the GPU and consumers map them through
-    CUDA IPC handles (no host copy, no NCCL between processes of one GPU). The caller keeps
-    the returned buckets alive until every consumer has imported them."""
+    CUDA IPC handles (no host copy, no NCCL between processes of one GPU). One list of handles
+    per consumer: each handle carries one count of the sender's IPC reference counter, which
+    the consumer that opens it gives back, so a handle shared by two consumers would be given
+    back twice and the block never freed (one copy of the weights a step). The caller keeps
+    the returned buckets alive until every consumer has imported them, then collects them
+    (torch.cuda.ipc_collect)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     buckets = list(_source_buckets(model, dtype, bucket_bytes, is_source))
     if buckets:
         torch.cuda.synchronize()  # the buckets are complete before anyone maps them
-    return buckets, [reduce_tensor(b) for b in buckets]
+    return buckets, [[reduce_tensor(b) for b in buckets] for _ in range(consumers)]
 
 
 @torch.no_grad()

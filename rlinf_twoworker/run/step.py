@@ -63,17 +63,20 @@ async def sync_weights(group: ComponentGroup, cfg: GRPOConfig) -> dict[str, floa
 
 
 async def _sync_through_ipc(group: ComponentGroup, dtype: str, timeout: float) -> int:
-    """Every process on one GPU: the actor exports its buckets, the copies map and copy them,
-    then the actor frees them."""
-    actors = group.actors()
+    """Every process on one GPU: the actor exports its buckets (a set of handles for each
+    consumer), the copies map and copy them, then the actor frees them."""
+    actors, consumers = group.actors(), group.policy_copies()
     exported = await group.call_each(
-        actors, "export_weights", dtype, timeout=timeout, stage="weight export"
+        actors, "export_weights", dtype, len(consumers), timeout=timeout, stage="weight export"
     )
     handles = exported[0]["handles"]
-    consumers = group.policy_copies()
     try:
         await group.call_each(
-            consumers, "import_weights", handles, dtype, timeout=timeout, stage="weight import"
+            consumers,
+            "import_weights",
+            timeout=timeout,
+            stage="weight import",
+            per_member=[(own, dtype) for own in handles],
         )
     finally:
         await group.call_each(actors, "release_weights", timeout=timeout, stage="weight release")

@@ -326,13 +326,15 @@ class ActorWorker(Worker):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def export_weights(self, sync_dtype: str) -> dict[str, Any]:
+    def export_weights(self, sync_dtype: str, consumers: int = 1) -> dict[str, Any]:
         """Colocated sync: keep the weight buckets on the GPU and hand out CUDA IPC handles
         (rank 0; other ranks only join the gathers). `release_weights` frees the buckets."""
         start = time.perf_counter()
         self.offloader.load_params()
         is_source = dist.get_rank() == self.sync.source
-        self._exported, handles = export_weights(self.model, getattr(torch, sync_dtype), is_source)
+        self._exported, handles = export_weights(
+            self.model, getattr(torch, sync_dtype), is_source, consumers
+        )
         nbytes = sum(b.numel() * b.element_size() for b in self._exported)
         return {"handles": handles, "bytes": nbytes, "seconds": time.perf_counter() - start}
 
