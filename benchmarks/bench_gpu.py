@@ -97,6 +97,11 @@ def make_model_dir(root: Path) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     write_manifest(path)
+    # This driver process would otherwise keep ~10 GiB of freed blocks cached on the GPU for
+    # the whole benchmark (the fp32 build and its bf16 copy), in every nvidia-smi figure.
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
     return path
 
 
@@ -497,17 +502,25 @@ class GpuMemorySampler:
         import threading
 
         self.samples: list[float] = []
+        self.baseline = self._used()  # before the run: the driver, other processes
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._sample, daemon=True)
         self.thread.start()
         return self
 
-    def _sample(self) -> None:
+    @staticmethod
+    def _used() -> float | None:
         argv = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+        if done.returncode == 0 and done.stdout.strip():
+            return float(done.stdout.split()[0]) / 1024  # MiB -> GiB
+        return None
+
+    def _sample(self) -> None:
         while not self.stop.wait(0.5):
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
-            if done.returncode == 0 and done.stdout.strip():
-                self.samples.append(float(done.stdout.split()[0]) / 1024)  # MiB -> GiB
+            used = self._used()
+            if used is not None:
+                self.samples.append(used)
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
@@ -626,7 +639,7 @@ def _tutorial_job(
             {
                 k.removeprefix("memory/"): round(v, 2)
                 for k, v in r.metrics.items()
-                if k.startswith("memory/") and "gpu_peak" in k
+                if k.startswith("memory/") and "gpu_" in k
             }
             for r in [first, *later]
         ],
@@ -661,6 +674,7 @@ def _tutorial_job(
         "verification_errors": report.errors[:5],
         "memory_plan_vs_measured": plan_vs_measured(root / "runs" / run_id, [first, *later]),
         "gpu_used_peak_gib_nvidia_smi": gpu_used.peak_gib(),
+        "gpu_used_before_run_gib_nvidia_smi": gpu_used.baseline,
         "compile_cache_lines": [
             line.split("COMPILE_CACHE", 1)[1].strip()
             for line in main_log.splitlines()
@@ -799,6 +813,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     results["bf16_matmul_tflops"] = matmul_tflops()
+    torch.cuda.empty_cache()  # its matrices' blocks, cached in this driver process
     model_dir = make_model_dir(root)
     sections = {
         "rollout": lambda: bench_rollout(model_dir, args.quick),

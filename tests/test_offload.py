@@ -123,4 +123,7 @@ def test_a_run_with_offload_trains_as_the_run_without(cluster_2x2, tmp_path):
             assert m.metrics[key] == pytest.approx(k.metrics[key], rel=1e-6, abs=1e-9), key
         assert m.metrics["sync/verified"] == 1.0
         assert m.timings["time/actor/offload"] >= 0 and "time/actor/offload" not in k.timings
+        for copy in ("rollout/0", "inference/0"):  # both gave their memory back (CPU: no GPU)
+            assert m.metrics[f"memory/{copy}/gpu_reserved_during_update_gib"] == 0.0
+            assert f"memory/{copy}/gpu_reserved_during_update_gib" not in k.metrics
     assert "actor offload turned on" not in log  # set by the user, not by the plan

@@ -55,6 +55,9 @@ class Ran:
     chunks: list[ChunkResult]
     advantages: list[torch.Tensor]
     trained: list[TrainStats]
+    released: dict[str, float] = field(default_factory=dict)
+    """actor.enable_offload: what each copy on an actor's GPU still held during the update
+    ("<component>/<rank>" -> GiB reserved by PyTorch after it gave its memory back)."""
 
 
 @dataclass
@@ -167,13 +170,17 @@ async def run_sequential(
     for result, adv in zip(done, advs):
         for rank, own in enumerate(_shards(cfg, step, result, adv, ranks)):
             shards[rank] += own
+    released: dict[str, float] = {}
     if cfg.offloads:  # the copies on the actor's GPUs give their memory back for the update
-        await group.call_each(
-            group.copies_beside_actors(),
+        copies = group.copies_beside_actors()
+        reports = await group.call_each(
+            copies,
             "release_memory",
             timeout=cfg.runner.timeouts.step_s,
             stage=f"step {step} memory release",
         )
+        for member, report in zip(copies, reports):
+            released[f"{member.slot.component}/{member.slot.rank}"] = report["reserved_gib"]
     marks.first("first_update_start")
     trained: list[TrainStats] = await group.call_each(
         group.actors(),
@@ -183,7 +190,7 @@ async def run_sequential(
         per_member=[(s,) for s in shards],
     )
     marks.last("update_done")
-    return Ran(done, advs, trained)
+    return Ran(done, advs, trained, released)
 
 
 async def run_pipelined(

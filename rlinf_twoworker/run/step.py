@@ -157,6 +157,7 @@ def _metrics(cfg: GRPOConfig, ran: Ran, synced: dict[str, float]) -> dict[str, f
         "throughput/trained_tokens_per_s": ran.trained[0].trained_tokens / max(train_s, 1e-9),
         "sync/bytes": synced["bytes"],
         **({"sync/verified": synced["verified"]} if "verified" in synced else {}),
+        **{f"memory/{k}/gpu_reserved_during_update_gib": v for k, v in ran.released.items()},
         "pipeline/pipelined": float(cfg.pipelined),
         "pipeline/rollout_chunks": float(len(ran.chunks)),
     }

@@ -258,7 +258,12 @@ class PolicyCopy(Worker):
         start = time.perf_counter()
         freed = offload.release_weights(self.model)
         offload.free_cached(self.device)
-        return {"bytes": float(freed), "seconds": time.perf_counter() - start}
+        held = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        return {
+            "bytes": float(freed),
+            "seconds": time.perf_counter() - start,
+            "reserved_gib": held / 1024**3,  # what PyTorch still holds on the GPU
+        }
 
     def weights_digest(self, sync_dtype: str) -> str:
         offload.require_weights(self.model, f"{self.component} rank {self.rank}")
