@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlinf_twoworker import components
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.config.placement import Placement
 from rlinf_twoworker.engines.kv_memory import PREFILL_TOKENS  # the static engine's prefill cut
@@ -351,9 +352,9 @@ def plan_memory(
             GpuPlan(slot.resource_rank, slot.bundle, slot.local_gpu, []),
         )
         process = ProcessPlan(slot.component, slot.rank, slot.resource_rank, parts)
+        role = components.by_name(slot.component)
         if offload and (
-            slot.component == "actor"
-            or (slot.component in ("rollout", "inference") and slot.resource_rank in actor_gpus)
+            role.trains or (role.receives_weights and slot.resource_rank in actor_gpus)
         ):
             process.idle = parts.get("cuda_context", 0)  # weights, state, caches given back
         gpu.processes.append(process)

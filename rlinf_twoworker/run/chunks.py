@@ -187,8 +187,9 @@ def merge_train_stats(parts: list[TrainStats]) -> TrainStats:
         ratio_max=max(p.metrics["ratio_max"] for p in parts),
         skipped_steps=sum(p.metrics["skipped_steps"] for p in parts),
         lr=parts[-1].metrics["lr"],
-        offload_seconds=sum(p.metrics.get("offload_seconds", 0.0) for p in parts),
     )
+    if "offload_seconds" in first:
+        metrics["offload_seconds"] = sum(p.metrics["offload_seconds"] for p in parts)
     if "logprob_diff_max" in first:
         metrics["logprob_diff_max"] = first["logprob_diff_max"]
     return TrainStats(
