@@ -1,27 +1,32 @@
 """The baseline: TRL's GRPOTrainer on the library's full-step workload, in its own process.
 
     python benchmarks/bench_trl.py --model DIR --data FILE --out trl.json [--cycles 3]
+        [--no-checkpointing]
 
 Same model directory, same prompts (the data file's first prompts, shuffled by the trainer),
 the same shape as the starting config: 8 prompts x 2 answers a step, 768 new tokens at most,
 temperature 1.0, four optimiser updates of 4 answers each per generation (TRL's
 per_device_train_batch_size=4, steps_per_generation=4), learning rate 2e-5, no KL term. TRL's
 own defaults otherwise: transformers `generate` for the rollout, float32 weights under bf16
-autocast, gradient checkpointing. One "GRPO step" here is one generation plus its four
+autocast, gradient checkpointing (`--no-checkpointing` turns it off: the faster setting when
+the GPU has the memory). One "GRPO step" here is one generation plus its four
 updates, timed from the end of the previous one (CUDA-synchronised). The reward is a substring
 check (cheaper than the library's math-verify grader, which favours TRL).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import sys
 import time
-from pathlib import Path
 
-import torch
+STARTED = time.perf_counter()  # the process's start, before its imports: TRL's call to step 1
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
 
 
 def main() -> int:
@@ -32,6 +37,9 @@ def main() -> int:
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--max-new", type=int, default=768)
     parser.add_argument("--workdir", default="/tmp/rlinf-bench/trl")
+    parser.add_argument(
+        "--no-checkpointing", action="store_true", help="train without gradient checkpointing"
+    )
     args = parser.parse_args()
 
     import transformers
@@ -70,7 +78,7 @@ def main() -> int:
         else "gradient_checkpointing"
     )
     config = GRPOConfig(
-        **{checkpointing: True},
+        **{checkpointing: not args.no_checkpointing},
         output_dir=args.workdir,
         per_device_train_batch_size=4,
         steps_per_generation=updates_per_generation,
@@ -108,7 +116,12 @@ def main() -> int:
     result = {
         "trl": trl.__version__,
         "transformers": transformers.__version__,
+        "gradient_checkpointing": not args.no_checkpointing,
         "setup_s": load_s,
+        # From the process's start (imports included) to the end of the first step, and to
+        # the end of the second: TRL's "call to step 1" and "2-step job".
+        "process_to_step1_s": marks[1] - STARTED if len(marks) > 1 else None,
+        "process_to_step2_s": marks[2] - STARTED if len(marks) > 2 else None,
         "step_s": cycles,
         "first_step_s": cycles[0] if cycles else None,
         "median_step_s": statistics.median(cycles[1:] or cycles) if cycles else None,
