@@ -197,8 +197,15 @@ def test_cancel_makes_pending_futures_raise_and_frees_the_cluster(cluster_2x2, i
     phases |= {"actor_build", "weight_sync", "ready", "first_step", "to_first_step"}
     phases |= {f"load/{c}:{r}" for c, r in [("rollout", 0), ("inference", 0), ("actor", 1)]}
     phases |= {"grader_start/reward:0", "preflight/node0/manifests", "preflight/collective"}
+    processes = ["rollout:0", "reward:0", "inference:0", "actor:0", "actor:1"]
+    phases |= {f"{part}/{who}" for part in ("spawn", "init") for who in processes}
     assert phases <= set(first.startup), first.startup
     assert all(seconds >= 0 for seconds in first.startup.values())
+    for who in processes:  # a process's start and its constructor lie inside the phase
+        seen = first.startup
+        assert seen[f"spawn/{who}"] + seen[f"init/{who}"] <= seen["components"] + 0.1, who
+    for who in ["rollout:0", "inference:0", "actor:1"]:
+        assert first.startup[f"load/{who}"] <= first.startup[f"init/{who}"], who
     assert first.startup["to_first_step"] >= first.startup["ready"] >= first.startup["components"]
     assert phases <= set(status["startup"])
     assert ray.get(handle.step(2), timeout=TIMEOUT).startup == {}  # the first step's only

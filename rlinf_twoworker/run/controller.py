@@ -126,6 +126,7 @@ class RunController:
         self.last_step = 0  # the step `last` belongs to
         self.started_at = time.time()
         self.components_ready = False  # every component answered (topology is known)
+        self.components_began = 0.0  # time.time() when the components were asked to start
         self.clock = StartupClock(self.log.detail, called_at)
         self.memory_plan: MemoryPlan | None = None
 
@@ -310,7 +311,7 @@ class RunController:
             cfg, self.run_id, placement, self.pg, self.classes, bundle_nodes=places
         )
         self.group, self.watch = group, Watch(group)  # set first: release, watchdog find it
-        components_start = time.perf_counter()
+        components_start, self.components_began = time.perf_counter(), time.time()
         group.start()  # every component loads its model in parallel (the actor's included)
         await group.wait_started()
         clock.record("components", time.perf_counter() - components_start)
@@ -449,6 +450,12 @@ class RunController:
         )
         for member, report in zip(members, reports):
             who = f"{member.slot.component}:{member.slot.rank}"
+            # spawn: from the controller's request to the constructor's first line (the
+            # process's start and imports; wall clocks of two nodes); init: the constructor.
+            if report.get("began") is not None:
+                self.clock.record(f"spawn/{who}", report["began"] - self.components_began)
+                if member.ready_at is not None:
+                    self.clock.record(f"init/{who}", member.ready_at - report["began"])
             for part, seconds in report["seconds"].items():  # load, grader_start
                 self.clock.record(f"{part}/{who}", seconds)
             for line in report["cache"]:

@@ -8,6 +8,7 @@ turns any failure into a ComponentError naming the component, its rank and its n
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ class Member:
     slot: Slot
     handle: Any
     where: dict[str, Any]
+    ready_at: float | None = None
+    """time.time() when its constructor had finished (its first answer came back)."""
 
 
 class ComponentGroup:
@@ -73,10 +76,17 @@ class ComponentGroup:
             self.members.setdefault(slot.component, []).append(Member(slot, handle, where))
 
     async def wait_started(self) -> None:
+        """Every member's constructor finished (each one's time noted as it answers)."""
+
+        async def answered(member: Member) -> dict[str, Any]:
+            where = await self.call(
+                member, "where", timeout=self.timeouts.actor_start_s, stage="start"
+            )
+            member.ready_at = time.time()
+            return where
+
         members = self.all()
-        wheres = await self.call_each(
-            members, "where", timeout=self.timeouts.actor_start_s, stage="start"
-        )
+        wheres = await gather_fail_fast([answered(m) for m in members])
         for member, where in zip(members, wheres):
             member.where = where
 

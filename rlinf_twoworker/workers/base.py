@@ -107,6 +107,7 @@ class Worker:
     model: Any
 
     def __init__(self, cfg: GRPOConfig, component: str, rank: int) -> None:
+        self.began = time.time()  # the process started and imported its worker module
         self.cfg, self.component, self.rank = cfg, component, rank
         self.device = device_for(cfg.cluster.accelerator)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -143,6 +144,7 @@ class Worker:
         """What this process's start-up took and what its compile cache did."""
         return {
             "seconds": dict(self.startup),
+            "began": self.began,
             "cache": [e.line(f"{self.component}:{self.rank}") for e in self.compile_cache.events],
         }
 

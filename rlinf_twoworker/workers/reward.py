@@ -281,6 +281,7 @@ class RewardWorker:
     """Math grading as a component; grading runs off the actor's event loop."""
 
     def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
+        self.began = time.time()  # the process started and imported its worker module
         self.grader = MathReward(cfg.reward.reward_scale, cfg.reward.timeout_s)
         self.rank = rank
         start = time.perf_counter()
@@ -318,7 +319,7 @@ class RewardWorker:
 
     def startup_report(self) -> dict[str, Any]:
         """The grading processes' start; no model, nothing compiled."""
-        return {"seconds": dict(self.startup), "cache": []}
+        return {"seconds": dict(self.startup), "began": self.began, "cache": []}
 
     def save_compile_cache(self) -> dict[str, Any]:
         return {"cache": [], "compile_s": 0.0}
