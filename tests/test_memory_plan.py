@@ -262,3 +262,20 @@ def test_the_plan_turns_offload_on_only_when_it_is_left_to_it_and_needed(shape_1
     plan, notes = mp.settle_plan(refused, refused.placement, shapes, budget)
     assert notes == [] and plan.too_big() and refused.actor.enable_offload is False
     assert "actor.enable_offload=true" in str(mp.refusal(plan, refused))
+
+
+def test_the_tutorials_placement_fits_a_40_gib_card_per_gpu_with_its_defaults(shape_1_5b):
+    """2 nodes x 2 GPUs, the 1.5B shape, the tutorial's settings: every GPU's plan (calibrated
+    on the measured peaks of each process) fits 40 GiB with nothing turned on."""
+    shapes = {s: mp.model_shape(shape_1_5b) for s in ("actor", "rollout", "inference")}
+    cfg = gpu_config(shape_1_5b, "cluster.max_gpu_memory_gb=40")
+    plan, notes = mp.settle_plan(cfg, cfg.placement, shapes, None)
+    assert notes == [] and plan.too_big() == []
+    assert plan.settings == {"actor_recompute": False, "actor_offload": False, "actor_ranks": 2}
+    by_gpu = {g.resource_rank: [p.component for p in g.processes] for g in plan.gpus}
+    assert by_gpu == {0: ["rollout"], 1: ["inference"], 2: ["actor"], 3: ["actor"]}
+    assert all(g.total < 40 * GIB for g in plan.gpus)
+    # The actor's rank holds half of the fp32 weights, gradients and Adam's two moments.
+    (actor,) = plan.gpus[2].processes
+    half = 1_777_088_000 // 2  # DeepSeek-R1-Distill-Qwen-1.5B's parameters, untied head
+    assert actor.parts["optimizer"] == 2 * actor.parts["weights"] == 2 * 4 * half
