@@ -41,18 +41,7 @@ import traceback
 from pathlib import Path
 
 import torch
-
-QWEN_1P5B = dict(
-    vocab_size=151936,
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-)
+from shapes import QWEN_1P5B  # benchmarks/ is the script's path
 
 
 def timed(fn, repeats: int) -> list[float]:

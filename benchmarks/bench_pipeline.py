@@ -13,7 +13,7 @@ runs of `run_grpo_two_worker` in one cluster (the later ones find the first's co
   sequential_default    runner.pipeline=sequential as it comes: one rollout call a step
 The median step time is over steps 2..N (step 1 compiles).
 
-The model: the DeepSeek-R1-Distill-Qwen-1.5B shape (bench_gpu.QWEN_1P5B) with random weights,
+The model: the DeepSeek-R1-Distill-Qwen-1.5B shape (shapes.QWEN_1P5B) with random weights,
 whose EOS fires at varied lengths. Random weights alone never pick EOS among 151,936 near-equal
 logits, so the model gets a bias on the EOS logit (`add_eos_bias`): residual coordinate 0 is a
 constant 1 in every embedding that no layer reads or writes, so after the final norm it is
@@ -102,7 +102,7 @@ def make_varied_length_model(
     from rlinf_twoworker.storage.manifest import write_manifest
 
     if shape is None:
-        from bench_gpu import QWEN_1P5B as shape  # benchmarks/ is the script's path
+        from shapes import QWEN_1P5B as shape  # benchmarks/ is the script's path
     path = root / f"qwen2-h{shape['hidden_size']}-eos{int(mean_answer)}"
     info_file = path / "eos_calibration.json"
     if (path / "SHA256SUMS").exists() and info_file.exists():

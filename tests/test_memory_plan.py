@@ -12,6 +12,7 @@ import ray
 
 from rlinf_twoworker import run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.cluster import memory_parts as mparts
 from rlinf_twoworker.cluster import memory_plan as mp
 from rlinf_twoworker.cluster.connect import NAMESPACE
 from rlinf_twoworker.config import load_config, to_typed
@@ -49,7 +50,7 @@ def gpu_config(model: Path, *overrides: str):
 
 
 def test_the_shape_is_counted_from_the_model_config(tiny):
-    shape = mp.model_shape(tiny)
+    shape = mparts.model_shape(tiny)
     assert shape.params == PARAMS == 6800
     assert shape.embedding_params == 2048 and shape.layer_params == LAYER == 2368
     assert (shape.layers, shape.hidden, shape.intermediate, shape.vocab) == (2, 16, 32, 64)
@@ -58,8 +59,8 @@ def test_the_shape_is_counted_from_the_model_config(tiny):
 
 def test_each_part_matches_the_hand_computed_size(tiny):
     cfg = gpu_config(tiny)
-    shape = mp.model_shape(tiny)
-    actor = mp.actor_parts(cfg, shape, ranks=2, recompute=False)
+    shape = mparts.model_shape(tiny)
+    actor = mparts.actor_parts(cfg, shape, ranks=2, recompute=False)
     # 16 rows / 4 minibatches / 2 ranks = 2 rows of 1024 tokens in one micro-batch (budget 4096).
     per_layer = 2 * (7 * 16 + 3 * 32)  # bf16 x (7 hidden + 3 intermediate), compiled layers
     assert actor == {
@@ -68,36 +69,38 @@ def test_each_part_matches_the_hand_computed_size(tiny):
         "optimizer": 3400 * 8,
         "gathered": (2048 + 2 * LAYER) * 2,
         "activations": 2048 * 2 * per_layer,
-        "logits": 2048 * 64 * mp.LOGIT_BYTES_TRAIN,
+        "logits": 2048 * 64 * mparts.LOGIT_BYTES_TRAIN,
     }
-    recomputed = mp.actor_parts(cfg, shape, ranks=2, recompute=True)
+    recomputed = mparts.actor_parts(cfg, shape, ranks=2, recompute=True)
     assert recomputed["activations"] == 2048 * (2 * 2 * 16 + per_layer)
-    rollout = mp.rollout_parts(cfg, shape)
+    rollout = mparts.rollout_parts(cfg, shape)
     assert rollout == {
         "weights": PARAMS * 2,
         "kv_cache": 16 * 1024 * 32 * 2,  # 16 rows decoded together over 1024 tokens, bf16
         "activations": 16 * 256 * 2 * (4 * 16 + 3 * 32),
         "logits": 16 * 64 * 12,
     }
-    inference = mp.logprob_parts(cfg, shape, "bf16")
+    inference = mparts.logprob_parts(cfg, shape, "bf16")
     assert inference["weights"] == PARAMS * 2
-    assert inference["logits"] == 16 * 1024 * 64 * mp.LOGIT_BYTES_FORWARD  # all 16 rows fit
+    assert inference["logits"] == 16 * 1024 * 64 * mparts.LOGIT_BYTES_FORWARD  # all 16 rows fit
     # A smaller token budget cuts the micro-batch, whole rows at a time.
     small = gpu_config(tiny, "runner.micro_batch_tokens=1024")
-    assert mp.actor_parts(small, shape, 2, False)["logits"] == 1024 * 64 * mp.LOGIT_BYTES_TRAIN
+    assert (
+        mparts.actor_parts(small, shape, 2, False)["logits"] == 1024 * 64 * mparts.LOGIT_BYTES_TRAIN
+    )
 
 
 def test_processes_sharing_a_gpu_add_up_and_the_budget_is_the_smaller_limit(tiny):
     cfg = gpu_config(tiny, "cluster.max_gpu_memory_gb=40")
-    shapes = {s: mp.model_shape(tiny) for s in ("actor", "rollout", "inference")}
+    shapes = {s: mparts.model_shape(tiny) for s in ("actor", "rollout", "inference")}
     plan = mp.plan_memory(cfg, cfg.placement, shapes, free={0: 10 * GIB, 1: 80 * GIB})
     by_rank = {g.resource_rank: g for g in plan.gpus}
     assert sorted(by_rank) == [0, 1, 2, 3]  # the reward grades on CPUs: no GPU of its own
     assert [p.component for p in by_rank[0].processes] == ["rollout"]
     rollout = by_rank[0].processes[0]
-    parts = mp.rollout_parts(cfg, shapes["rollout"])
-    assert rollout.parts["allocator_slack"] == int(mp.SLACK * sum(parts.values()))
-    assert rollout.parts["cuda_context"] == mp.CUDA_CONTEXT
+    parts = mparts.rollout_parts(cfg, shapes["rollout"])
+    assert rollout.parts["allocator_slack"] == int(mparts.SLACK * sum(parts.values()))
+    assert rollout.parts["cuda_context"] == mparts.CUDA_CONTEXT
     assert (by_rank[0].budget, by_rank[0].budget_source) == (10 * GIB, "free at preflight")
     assert (by_rank[1].budget, by_rank[1].budget_source) == (40 * GIB, "cluster.max_gpu_memory_gb")
     assert by_rank[2].budget == 40 * GIB and plan.too_big() == []
@@ -118,7 +121,7 @@ def test_processes_sharing_a_gpu_add_up_and_the_budget_is_the_smaller_limit(tiny
 
 def test_a_plan_that_does_not_fit_is_refused_naming_gpu_parts_and_remedies(tiny):
     cfg = gpu_config(tiny)
-    shapes = {s: mp.model_shape(tiny) for s in ("actor", "rollout", "inference")}
+    shapes = {s: mparts.model_shape(tiny) for s in ("actor", "rollout", "inference")}
     plan = mp.plan_memory(cfg, cfg.placement, shapes, free={0: 64 * 1024**2, 1: 80 * GIB})
     assert [g.resource_rank for g in plan.too_big()] == [0]  # 64 MiB < the CUDA context alone
     error = str(mp.refusal(plan, cfg))
@@ -132,7 +135,7 @@ def test_a_plan_that_does_not_fit_is_refused_naming_gpu_parts_and_remedies(tiny)
 
 
 def test_the_plan_turns_recompute_on_only_when_it_is_left_to_it_and_needed(tiny):
-    shapes = {s: mp.model_shape(tiny) for s in ("actor", "rollout", "inference")}
+    shapes = {s: mparts.model_shape(tiny) for s in ("actor", "rollout", "inference")}
     cfg = gpu_config(tiny, "runner.micro_batch_tokens=16384", "data.rollout_batch_size=64")
     without = mp.plan_memory(cfg, cfg.placement, shapes, recompute=False).gpus[2].total
     with_it = mp.plan_memory(cfg, cfg.placement, shapes, recompute=True).gpus[2].total
@@ -154,7 +157,7 @@ def test_the_plan_turns_recompute_on_only_when_it_is_left_to_it_and_needed(tiny)
 
 def test_out_of_memory_errors_carry_the_plans_estimate(tiny):
     cfg = gpu_config(tiny)
-    shapes = {s: mp.model_shape(tiny) for s in ("actor", "rollout", "inference")}
+    shapes = {s: mparts.model_shape(tiny) for s in ("actor", "rollout", "inference")}
     plan = mp.plan_memory(cfg, cfg.placement, shapes, free={r: 80 * GIB for r in range(4)})
     oom = ComponentError("actor", 1, "node-b", "step 2 actor update: CUDA out of memory. Tried")
     told = mp.explain_oom(oom, plan, step=2)
@@ -195,15 +198,15 @@ COLOCATED = (
 
 
 def test_memory_given_back_plans_the_larger_of_the_update_and_the_other_stages(tiny):
-    shapes = {s: mp.model_shape(tiny) for s in ("actor", "rollout", "inference")}
+    shapes = {s: mparts.model_shape(tiny) for s in ("actor", "rollout", "inference")}
     big = ("runner.micro_batch_tokens=16384", "data.rollout_batch_size=64")
     cfg = gpu_config(tiny, *COLOCATED, *big, "actor.enable_offload=true")
     kept = mp.plan_memory(cfg, cfg.placement, shapes, offload=False).gpus[0]
     gpu = mp.plan_memory(cfg, cfg.placement, shapes).gpus[0]
     rollout, inference, actor = gpu.processes
-    assert all(p.idle == mp.CUDA_CONTEXT for p in gpu.processes)  # all of it given back
-    update = actor.total + 2 * mp.CUDA_CONTEXT
-    others = rollout.total + inference.total + mp.CUDA_CONTEXT
+    assert all(p.idle == mparts.CUDA_CONTEXT for p in gpu.processes)  # all of it given back
+    update = actor.total + 2 * mparts.CUDA_CONTEXT
+    others = rollout.total + inference.total + mparts.CUDA_CONTEXT
     assert (gpu.phase(True), gpu.phase(False)) == (update, others)
     assert gpu.total == max(update, others) < kept.total == sum(p.total for p in gpu.processes)
     line = next(x for x in mp.MemoryPlan([gpu]).lines() if "resource rank 0" in x)
@@ -239,7 +242,7 @@ def shape_1_5b(tmp_path_factory) -> Path:
 
 
 def test_the_plan_turns_offload_on_only_when_it_is_left_to_it_and_needed(shape_1_5b):
-    shapes = {s: mp.model_shape(shape_1_5b) for s in ("actor", "rollout", "inference")}
+    shapes = {s: mparts.model_shape(shape_1_5b) for s in ("actor", "rollout", "inference")}
     cfg = gpu_config(shape_1_5b, *COLOCATED)
     assert cfg.actor.enable_offload is None and cfg.actor.activation_checkpointing is None
 
@@ -267,7 +270,7 @@ def test_the_plan_turns_offload_on_only_when_it_is_left_to_it_and_needed(shape_1
 def test_the_tutorials_placement_fits_a_40_gib_card_per_gpu_with_its_defaults(shape_1_5b):
     """2 nodes x 2 GPUs, the 1.5B shape, the tutorial's settings: every GPU's plan (calibrated
     on the measured peaks of each process) fits 40 GiB with nothing turned on."""
-    shapes = {s: mp.model_shape(shape_1_5b) for s in ("actor", "rollout", "inference")}
+    shapes = {s: mparts.model_shape(shape_1_5b) for s in ("actor", "rollout", "inference")}
     cfg = gpu_config(shape_1_5b, "cluster.max_gpu_memory_gb=40")
     plan, notes = mp.settle_plan(cfg, cfg.placement, shapes, None)
     assert notes == [] and plan.too_big() == []

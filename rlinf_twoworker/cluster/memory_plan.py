@@ -8,8 +8,7 @@ compared with that GPU's budget: the free memory the preflight probe saw there, 
 `cluster.max_gpu_memory_gb`. A GPU that does not fit is refused before any model loads, naming
 the GPU, its components, the estimate by part and the settings that would make it fit.
 
-The activation, logit and slack coefficients are calibrated on an H200 at the 1.5B shape
-(benchmarks/RESULTS.md, "Memory plan"); everything else is exact arithmetic on sizes.
+The estimates by part are cluster/memory_parts.py's.
 """
 
 from __future__ import annotations
@@ -21,80 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from rlinf_twoworker import components
+from rlinf_twoworker.cluster.memory_parts import GIB, ModelShape, process_parts
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.config.placement import Placement
-from rlinf_twoworker.engines.kv_memory import PREFILL_TOKENS  # the static engine's prefill cut
 from rlinf_twoworker.errors import TwoWorkerError
-
-GIB = 1024**3
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-CUDA_CONTEXT = int(0.6 * GIB)
-"""A CUDA process's context and kernels, outside PyTorch's allocator (about 0.5 GiB on H200s)."""
-SLACK = 0.10
-"""The caching allocator's fragmentation and library workspaces, on top of the parts..."""
-SLACK_TRAINING = 0.10
-"""...and the same for the actor (on an H200, 1.5B shape, colocated, measured with the weight
-sync's leak fixed: reserved 9.8% above this plan's other parts without recompute and 9.5% with
-it; the 0.20 of the first calibration had absorbed one leaked copy of the weights)."""
-ACTIVATIONS_COMPILED = (7, 3)
-"""(a, b): a decoder layer keeps about a x hidden + b x intermediate values per token for its
-backward when its forward is compiled (fused norms and SwiGLU)..."""
-ACTIVATIONS_EAGER = (16, 6)
-"""...and about this many when it runs eagerly (float32 norm copies, unfused SwiGLU)."""
-LOGIT_BYTES_TRAIN = 5
-"""Bytes per (token, vocabulary entry) of the actor's logits, log-softmax and their gradient."""
-LOGIT_BYTES_FORWARD = 2
-"""The same for a forward without gradients: the bf16 logits (the log-softmax runs in chunks)."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    params: int
-    embedding_params: int
-    """The input embedding and an untied output head (kept gathered by FSDP's root unit)."""
-    layer_params: int
-    """The largest decoder layer."""
-    layers: int
-    hidden: int
-    intermediate: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Keys and values of one token over every layer, per byte of the cache's dtype."""
-        return 2 * self.layers * self.kv_heads * self.head_dim
-
-
-def model_shape(model_dir: str | Path) -> ModelShape:
-    """The shape of the causal LM in `model_dir`, its parameters counted on the meta device
-    (no weights read)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(model_dir))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    params = sum(p.numel() for p in model.parameters())  # tied weights counted once
-    embedding = model.get_input_embeddings().weight.numel()
-    head = model.get_output_embeddings()
-    if head is not None and head.weight is not model.get_input_embeddings().weight:
-        embedding += head.weight.numel()
-    decoder = model.base_model.layers
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    return ModelShape(
-        params=params,
-        embedding_params=embedding,
-        layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in decoder),
-        layers=len(decoder),
-        hidden=text.hidden_size,
-        intermediate=text.intermediate_size,
-        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-        vocab=text.vocab_size,
-    )
 
 
 @dataclass
@@ -226,104 +155,6 @@ class MemoryPlan:
         }
 
 
-def _cap(tokens_budget: int, min_rows: int, rows: int, seq: int) -> int:
-    """Most tokens one micro-batch holds: as many rows as fit in the budget at the narrowest
-    width that still fills it, at least min_rows full-width rows, never more than all rows."""
-    return min(rows * seq, max(tokens_budget, min_rows * seq))
-
-
-def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool) -> dict[str, int]:
-    """One FSDP actor rank: its shard of the master weights, gradients and Adam's two moments,
-    the layers gathered for compute, one micro-batch's activations and logits."""
-    gpu = cfg.cluster.accelerator == "cuda"
-    master = BYTES[cfg.actor.model.precision] if gpu else 4
-    compute = 2 if gpu and cfg.actor.mixed_precision else master
-    runner, algo = cfg.runner, cfg.algorithm
-    seq = runner.seq_length
-    rows = cfg.data.rollout_batch_size * algo.group_size // algo.n_minibatches // ranks
-    if runner.enable_dynamic_batch_size:
-        tokens = _cap(runner.max_tokens_per_mbs, 1, rows, seq)
-    elif runner.micro_batch_tokens:
-        tokens = _cap(runner.micro_batch_tokens, algo.training_batch_size_per_gpu, rows, seq)
-    else:
-        tokens = min(rows, algo.training_batch_size_per_gpu) * seq
-    a, b = ACTIVATIONS_COMPILED if gpu and cfg.actor.compile else ACTIVATIONS_EAGER
-    per_layer = compute * (a * shape.hidden + b * shape.intermediate)
-    if recompute:  # every layer's input kept, one layer's activations at a time
-        activations = tokens * (shape.layers * compute * shape.hidden + per_layer)
-    else:
-        activations = tokens * shape.layers * per_layer
-    shard = -(-shape.params // ranks)
-    return {
-        "weights": shard * master,
-        "gradients": shard * 4 if gpu and cfg.actor.mixed_precision else shard * master,
-        "optimizer": shard * 2 * 4,  # Adam's moments in float32
-        "gathered": (shape.embedding_params + 2 * shape.layer_params) * compute,
-        "activations": activations,
-        "logits": tokens * shape.vocab * LOGIT_BYTES_TRAIN,
-    }
-
-
-def logprob_parts(cfg: GRPOConfig, shape: ModelShape, precision: str) -> dict[str, int]:
-    """The inference (or reference) copy: its weights and one log-prob micro-batch."""
-    gpu = cfg.cluster.accelerator == "cuda"
-    size = BYTES[precision] if gpu else 4
-    runner, algo = cfg.runner, cfg.algorithm
-    rows = cfg.data.rollout_batch_size * algo.group_size
-    tokens = _cap(
-        runner.logprob_micro_batch_tokens,
-        algo.logprob_forward_micro_batch_size,
-        rows,
-        runner.seq_length,
-    )
-    if not runner.logprob_micro_batch_tokens:
-        tokens = min(rows, algo.logprob_forward_micro_batch_size) * runner.seq_length
-    return {
-        "weights": shape.params * size,
-        "activations": tokens * size * (4 * shape.hidden + 3 * shape.intermediate),
-        "logits": tokens * shape.vocab * LOGIT_BYTES_FORWARD,
-    }
-
-
-def rollout_parts(cfg: GRPOConfig, shape: ModelShape) -> dict[str, int]:
-    """The rollout copy: its weights, the KV cache of the rows decoded together, the prefill's
-    activations and the sampler's logits."""
-    gpu = cfg.cluster.accelerator == "cuda"
-    size = BYTES[cfg.rollout.model.precision] if gpu else 4
-    rows = cfg.data.rollout_batch_size * cfg.algorithm.group_size
-    slots = min(rows, cfg.rollout.max_batch_size)
-    seq, prompt = cfg.runner.seq_length, cfg.data.max_prompt_length
-    return {
-        "weights": shape.params * size,
-        "kv_cache": slots * seq * shape.kv_bytes_per_token * size,
-        "activations": min(slots * prompt, PREFILL_TOKENS)
-        * size
-        * (4 * shape.hidden + 3 * shape.intermediate),
-        "logits": slots * shape.vocab * 4 * 3,
-    }
-
-
-def process_parts(
-    cfg: GRPOConfig, component: str, shapes: Mapping[str, ModelShape], ranks: int, recompute: bool
-) -> dict[str, int]:
-    """A component process's estimate by part (the reward grades on CPUs: nothing)."""
-    if component == "actor":
-        parts = actor_parts(cfg, shapes["actor"], ranks, recompute)
-    elif component == "inference":
-        parts = logprob_parts(cfg, shapes["inference"], cfg.inference.model.precision)
-    elif component == "reference":
-        parts = logprob_parts(cfg, shapes["actor"], cfg.inference.model.precision)
-    elif component == "rollout":
-        parts = rollout_parts(cfg, shapes["rollout"])
-    else:
-        return {}
-    slack = SLACK_TRAINING if component == "actor" else SLACK
-    parts["allocator_slack"] = int(slack * sum(parts.values()))
-    if cfg.cluster.accelerator == "cuda":
-        parts["cuda_context"] = CUDA_CONTEXT
-    return parts
-
-
 def plan_memory(
     cfg: GRPOConfig,
     placement: Placement,
@@ -378,19 +209,6 @@ def free_by_resource_rank(nodes: list[dict[str, Any]], gpus_per_node: int) -> di
         for i, gpu in enumerate(node.get("gpu_memory") or []):
             free[node["node_rank"] * gpus_per_node + i] = int(gpu["free_bytes"])
     return free
-
-
-def model_shapes(cfg: GRPOConfig) -> dict[str, ModelShape]:
-    """The shape of each model section's model, each directory read once."""
-    from rlinf_twoworker import components
-
-    by_dir: dict[str, ModelShape] = {}
-    shapes = {}
-    for key, path in components.model_paths(cfg):
-        if path not in by_dir:
-            by_dir[path] = model_shape(path)
-        shapes[key.split(".")[0]] = by_dir[path]
-    return shapes
 
 
 def refusal(plan: MemoryPlan, cfg: GRPOConfig) -> TwoWorkerError:

@@ -18,11 +18,11 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlinf_twoworker.cluster.memory_parts import model_shapes
 from rlinf_twoworker.cluster.memory_plan import (
     MemoryPlan,
     explain_oom,
     free_by_resource_rank,
-    model_shapes,
     refusal,
     settle_plan,
     write_plan,
