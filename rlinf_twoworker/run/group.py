@@ -59,7 +59,6 @@ class ComponentGroup:
 
     def start(self) -> None:
         """Create every actor (model loading starts in parallel); `wait_started` awaits them."""
-        env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
         for slot in self.placement.slots:
             cls = self.classes[slot.component]
             options = scheduling_options(self.pg, self.placement, slot)
@@ -67,7 +66,6 @@ class ComponentGroup:
                 name=f"{self.run_id}:{slot.component}:{slot.rank}",
                 namespace=NAMESPACE,
                 max_concurrency=self.table[slot.component].concurrency,
-                runtime_env={"env_vars": env},
                 max_restarts=0,
                 **options,
             )
