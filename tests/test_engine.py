@@ -33,7 +33,14 @@ TAGS = (
     "actor/training/actor/lr",
 )
 TIMEOUT = 300
-EARLY_PHASES = ("starting", "placement", "preflight", "loading data", "loading components")
+EARLY_PHASES = (
+    "starting",
+    "placement",
+    "preflight",
+    "loading data",
+    "memory plan",
+    "loading components",
+)
 
 
 @pytest.fixture(scope="module")

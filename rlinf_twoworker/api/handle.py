@@ -115,7 +115,7 @@ class RunHandle:
 
     def status(self) -> dict[str, Any]:
         """state (pending, running, succeeded, failed, cancelled); phase (placement,
-        preflight, loading data, loading components, step n, validation after step n,
+        preflight, loading data, memory plan, loading components, step n, validation after step n,
         checkpoint n, postflight, done); steps_done of total_steps; step (the one in
         progress); metrics and stage times of step metrics_step (the last one done); error;
         elapsed_s."""
