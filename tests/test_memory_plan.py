@@ -92,7 +92,7 @@ def test_each_part_matches_the_hand_computed_size(tiny):
 
 def test_processes_sharing_a_gpu_add_up_and_the_budget_is_the_smaller_limit(tiny):
     cfg = gpu_config(tiny, "cluster.max_gpu_memory_gb=40")
-    shapes = {s: mparts.model_shape(tiny) for s in ("actor", "rollout", "inference")}
+    shapes = mparts.model_shapes(cfg)
     plan = mp.plan_memory(cfg, cfg.placement, shapes, free={0: 10 * GIB, 1: 80 * GIB})
     by_rank = {g.resource_rank: g for g in plan.gpus}
     assert sorted(by_rank) == [0, 1, 2, 3]  # the reward grades on CPUs: no GPU of its own
@@ -121,7 +121,7 @@ def test_processes_sharing_a_gpu_add_up_and_the_budget_is_the_smaller_limit(tiny
 
 def test_a_plan_that_does_not_fit_is_refused_naming_gpu_parts_and_remedies(tiny):
     cfg = gpu_config(tiny)
-    shapes = {s: mparts.model_shape(tiny) for s in ("actor", "rollout", "inference")}
+    shapes = mparts.model_shapes(cfg)
     plan = mp.plan_memory(cfg, cfg.placement, shapes, free={0: 64 * 1024**2, 1: 80 * GIB})
     assert [g.resource_rank for g in plan.too_big()] == [0]  # 64 MiB < the CUDA context alone
     error = str(mp.refusal(plan, cfg))
@@ -135,8 +135,8 @@ def test_a_plan_that_does_not_fit_is_refused_naming_gpu_parts_and_remedies(tiny)
 
 
 def test_the_plan_turns_recompute_on_only_when_it_is_left_to_it_and_needed(tiny):
-    shapes = {s: mparts.model_shape(tiny) for s in ("actor", "rollout", "inference")}
     cfg = gpu_config(tiny, "runner.micro_batch_tokens=16384", "data.rollout_batch_size=64")
+    shapes = mparts.model_shapes(cfg)
     without = mp.plan_memory(cfg, cfg.placement, shapes, recompute=False).gpus[2].total
     with_it = mp.plan_memory(cfg, cfg.placement, shapes, recompute=True).gpus[2].total
     assert with_it < without
@@ -157,7 +157,7 @@ def test_the_plan_turns_recompute_on_only_when_it_is_left_to_it_and_needed(tiny)
 
 def test_out_of_memory_errors_carry_the_plans_estimate(tiny):
     cfg = gpu_config(tiny)
-    shapes = {s: mparts.model_shape(tiny) for s in ("actor", "rollout", "inference")}
+    shapes = mparts.model_shapes(cfg)
     plan = mp.plan_memory(cfg, cfg.placement, shapes, free={r: 80 * GIB for r in range(4)})
     oom = ComponentError("actor", 1, "node-b", "step 2 actor update: CUDA out of memory. Tried")
     told = mp.explain_oom(oom, plan, step=2)
@@ -198,9 +198,9 @@ COLOCATED = (
 
 
 def test_memory_given_back_plans_the_larger_of_the_update_and_the_other_stages(tiny):
-    shapes = {s: mparts.model_shape(tiny) for s in ("actor", "rollout", "inference")}
     big = ("runner.micro_batch_tokens=16384", "data.rollout_batch_size=64")
     cfg = gpu_config(tiny, *COLOCATED, *big, "actor.enable_offload=true")
+    shapes = mparts.model_shapes(cfg)
     kept = mp.plan_memory(cfg, cfg.placement, shapes, offload=False).gpus[0]
     gpu = mp.plan_memory(cfg, cfg.placement, shapes).gpus[0]
     rollout, inference, actor = gpu.processes
@@ -242,8 +242,8 @@ def shape_1_5b(tmp_path_factory) -> Path:
 
 
 def test_the_plan_turns_offload_on_only_when_it_is_left_to_it_and_needed(shape_1_5b):
-    shapes = {s: mparts.model_shape(shape_1_5b) for s in ("actor", "rollout", "inference")}
     cfg = gpu_config(shape_1_5b, *COLOCATED)
+    shapes = mparts.model_shapes(cfg)
     assert cfg.actor.enable_offload is None and cfg.actor.activation_checkpointing is None
 
     def total(recompute: bool, offload: bool) -> int:
@@ -270,8 +270,8 @@ def test_the_plan_turns_offload_on_only_when_it_is_left_to_it_and_needed(shape_1
 def test_the_tutorials_placement_fits_a_40_gib_card_per_gpu_with_its_defaults(shape_1_5b):
     """2 nodes x 2 GPUs, the 1.5B shape, the tutorial's settings: every GPU's plan (calibrated
     on the measured peaks of each process) fits 40 GiB with nothing turned on."""
-    shapes = {s: mparts.model_shape(shape_1_5b) for s in ("actor", "rollout", "inference")}
     cfg = gpu_config(shape_1_5b, "cluster.max_gpu_memory_gb=40")
+    shapes = mparts.model_shapes(cfg)
     plan, notes = mp.settle_plan(cfg, cfg.placement, shapes, None)
     assert notes == [] and plan.too_big() == []
     assert plan.settings == {"actor_recompute": False, "actor_offload": False, "actor_ranks": 2}
