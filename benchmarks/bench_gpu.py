@@ -730,11 +730,8 @@ def memory_budget_table(results: dict) -> str:
 def _trl_cells(trl: dict) -> dict[str, float | None]:
     """A TRL run's figures in the table's rows: from its process's start (imports included) to
     its first and second step, and its later steps."""
-    first = trl.get("process_to_step1_s")
-    if first is None and trl.get("first_step_s") is not None:  # a record from before the field
-        first = trl.get("setup_s", 0.0) + trl["first_step_s"]
     return {
-        "call_to_step1_cold_s": first,
+        "call_to_step1_cold_s": trl.get("process_to_step1_s"),
         "job_to_verification_warm_s": trl.get("process_to_step2_s"),
         "later_step_defaults_s": trl.get("median_step_s"),
     }
