@@ -343,6 +343,38 @@ def test_crash_mid_checkpoint_leaves_only_the_staging_dir_which_resume_ignores(
     assert_released(run_id)
 
 
+@pytest.fixture
+def small_storage(tmp_path):
+    """A real 640 KiB file system (tmpfs): room for a run's logs, not for its checkpoint."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(mount)], capture_output=True
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_storage_is_named_and_the_incomplete_checkpoint_removed(
+    cluster_2x2, inputs, tmp_path, small_storage
+):
+    run_id = "full"
+    cfg = demo_config(inputs, small_storage, run_id, ["runner.max_steps=1"])
+    handle = run_grpo_two_worker(cfg)
+    with pytest.raises(ComponentError) as failed:
+        handle.result(timeout=TIMEOUT)
+    error = failed.value
+    assert error.component == "actor", error
+    assert "checkpoint write to" in error.cause and "the storage under it is full" in error.cause
+    assert "point runner.output_dir at larger storage" in error.cause
+    checkpoints = small_storage / run_id / "checkpoints"
+    assert not checkpoints.exists() or list(checkpoints.iterdir()) == []
+    assert_failure_recorded(small_storage / run_id, "actor", error.rank)
+    assert_released(run_id)
+
+
 def test_out_of_memory_names_the_step_and_the_plans_estimate_and_keeps_checkpoints(
     cluster_2x2, inputs, tmp_path
 ):

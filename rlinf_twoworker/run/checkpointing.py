@@ -26,6 +26,7 @@ from rlinf_twoworker.storage.checkpoints import (
     files_of,
     fsync_dir,
     fsync_tree,
+    full_storage,
     prune,
     resume_limit_problem,
     step_of,
@@ -45,14 +46,19 @@ async def save(
     staging = staging_checkpoint_dir(run_dir, step)
     final = checkpoint_dir(run_dir, step)
     await asyncio.to_thread(_fresh_staging, staging)
-    await group.call_each(
-        group.actors(),
-        "save_checkpoint",
-        str(staging / DCP_SUBDIR),
-        timeout=cfg.runner.timeouts.checkpoint_s,
-        stage=f"checkpoint {step}",
-    )
-    await asyncio.to_thread(_complete, cfg, staging, final, data_state)
+    try:
+        await group.call_each(
+            group.actors(),
+            "save_checkpoint",
+            str(staging / DCP_SUBDIR),
+            timeout=cfg.runner.timeouts.checkpoint_s,
+            stage=f"checkpoint {step}",
+        )
+        await asyncio.to_thread(_complete, cfg, staging, final, data_state)
+    except BaseException:
+        if full_storage(staging) is not None:  # never complete: give its space back
+            await asyncio.to_thread(shutil.rmtree, staging, True)
+        raise
     if cfg.runner.save_full_weights:  # opt-in: a full model copy costs a full gather
         from rlinf_twoworker.storage.export import export_hf
 

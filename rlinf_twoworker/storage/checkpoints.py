@@ -37,6 +37,40 @@ METADATA = ".metadata"
 MODEL_PREFIX = "fsdp_checkpoint.model."
 """DCP key prefix of the actor's model weights (keys are flattened with dots)."""
 RESUMED_FROM_JSON = "resumed_from.json"
+FULL_STORAGE_BYTES = 256 * 2**20
+"""A failed write with less than this free under the checkpoint is reported as a full storage."""
+
+
+def full_storage(path: str | Path) -> tuple[int, int] | None:
+    """(free, total) bytes of the storage under `path` when it is (nearly) full, else None."""
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        usage = shutil.disk_usage(where)
+    except OSError:
+        return None
+    return (usage.free, usage.total) if usage.free < FULL_STORAGE_BYTES else None
+
+
+def write_error(path: str | Path, exc: BaseException) -> BaseException:
+    """The error to raise for a checkpoint write that failed with `exc`: when the storage under
+    `path` is full, one that says so and what to do (torch's own message for it is an archive
+    writer's position check); otherwise `exc` itself."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return exc
+    full = full_storage(path)
+    if full is None:
+        return exc
+    free, total = full
+    # One line (DCP's own message carries every rank's traceback): its last line says what.
+    said = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return TwoWorkerError(
+        f"checkpoint write to {path} failed: the storage under it is full "
+        f"({free / 2**20:.0f} MiB free of {total / 2**30:.1f} GiB; "
+        f"{said[-1] if said else type(exc).__name__}); free space there or point "
+        "runner.output_dir at larger storage (the incomplete checkpoint is removed)"
+    )
 
 
 class CheckpointReadError(TwoWorkerError):

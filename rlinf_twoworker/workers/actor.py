@@ -33,6 +33,7 @@ from rlinf_twoworker.engines.models import (
 from rlinf_twoworker.engines.offload import ActorOffload
 from rlinf_twoworker.engines.weight_sync import export_weights, send_weights
 from rlinf_twoworker.messages import ActorShard, TrainStats
+from rlinf_twoworker.storage import checkpoints
 from rlinf_twoworker.workers.base import Worker
 
 
@@ -392,9 +393,15 @@ class ActorWorker(Worker):
     def save_checkpoint(self, path: str) -> dict[str, Any]:
         """Write this rank's DCP shard (a collective of the actor group)."""
         start = time.perf_counter()
-        Path(path).mkdir(parents=True, exist_ok=True)
         with self._on_device():
-            dcp.save(self._state(), checkpoint_id=path, process_group=self.actor_group)
+            try:
+                Path(path).mkdir(parents=True, exist_ok=True)
+                dcp.save(self._state(), checkpoint_id=path, process_group=self.actor_group)
+            except BaseException as exc:  # DCP's CheckpointException is a BaseException
+                error = checkpoints.write_error(path, exc)
+                if error is exc:
+                    raise
+                raise error from exc
         return {"seconds": time.perf_counter() - start}
 
     def load_checkpoint(self, path: str) -> None:
