@@ -8,6 +8,7 @@ in a plain process for tests.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import time
@@ -41,6 +42,8 @@ def free_port(host: str) -> int:
 
 
 GIB = 2**30
+HELD_WARNING_BYTES = GIB // 2
+"""A copy that still holds more than this after giving its memory back is reported."""
 
 
 def process_memory(device: torch.device | None) -> dict[str, float]:
@@ -85,7 +88,6 @@ class _Tee:
 def attach_log(path: str, component: str, rank: int) -> None:
     """runner.per_worker_log: this process's prints, warnings and log records also go to
     `path` (log/<component>-<rank>.log in the run directory)."""
-    import logging
     import sys
 
     log = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (lives with the process)
@@ -261,6 +263,12 @@ class PolicyCopy(Worker):
         freed = offload.release_weights(self.model)
         offload.free_cached(self.device)
         held = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        if held > HELD_WARNING_BYTES:  # the memory plan counts none of it during the update
+            logging.getLogger("rlinf_twoworker").warning(
+                f"{self.component} rank {self.rank} still holds {held / GIB:.2f} GiB of GPU "
+                f"memory after giving it back for the actor's update; the memory plan counts "
+                f"none, so the update may run out of memory: {offload.still_held(self.device)}"
+            )
         return {
             "bytes": float(freed),
             "seconds": time.perf_counter() - start,
