@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -55,3 +56,43 @@ class Placed:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class VerificationReport:
+    passed: bool
+    run_dir: str
+    target_steps: int
+    expected_nodes: int
+    errors: list[str] = field(default_factory=list)
+    run_id: str = ""
+    output_root: str = ""
+    """The expected run id and output root (the run directory must be output_root/run_id)."""
+    checkpoint_step: int | None = None
+    """The step whose checkpoint was checked; None when the run was expected to save none."""
+    required_tags: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What was not checked, and why (a checkpoint the run was not expected to save)."""
+    checkpoint_dir: str | None = None
+    checkpoint_files: dict[str, int] = field(default_factory=dict)
+    """Path relative to checkpoint_dir -> size in bytes."""
+    metrics: dict[str, dict] = field(default_factory=dict)
+    """Tag -> {"step": last step, "value": last value, "steps": every logged step}."""
+    workers: list[dict] = field(default_factory=list)
+    """preflight.json's per-node entries (empty when the file is absent)."""
+    placement: dict = field(default_factory=dict)
+    """Component -> {"spec", "resource_ranks", "nodes"} from the resolved config."""
+    actor_fsdp_shards: int = 0
+    memory_peaks: dict[str, float] = field(default_factory=dict)
+    """memory/<component>/<rank>/<what> -> the largest value of any step (GiB)."""
+    memory_estimates: dict[str, float] = field(default_factory=dict)
+    """memory/<component>/<rank>/plan_estimate_gib -> the memory plan's estimate for that
+    process (memory_plan.json; CUDA context included), beside the measured peaks."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe: non-finite metric values become the strings 'nan', 'inf', '-inf'."""
+        data = asdict(self)
+        for entry in data["metrics"].values():
+            if not math.isfinite(entry["value"]):
+                entry["value"] = str(entry["value"])
+        return data

@@ -37,7 +37,7 @@ from rlinf_twoworker.config import GRPOConfig, config_notes
 from rlinf_twoworker.engines.models import load_tokenizer
 from rlinf_twoworker.errors import RunCancelledError, TwoWorkerError
 from rlinf_twoworker.results import CheckpointInfo, StepResult
-from rlinf_twoworker.run import checkpointing, ray_metrics
+from rlinf_twoworker.run import checkpointing, lifecycle, ray_metrics
 from rlinf_twoworker.run.group import ComponentGroup
 from rlinf_twoworker.run.liveness import Watch, liveness_error, root_cause
 from rlinf_twoworker.run.startup import StartupClock
@@ -316,10 +316,10 @@ class RunController:
         await group.wait_started()
         clock.record("components", time.perf_counter() - components_start)
         self.components_ready = True
-        await self._log_component_startup(group)
+        await lifecycle.log_startup(group, cfg, self.clock, self.log, self.components_began)
         if cfg.runner.per_worker_log:
-            await self._attach_worker_logs(group)
-        await self._join_process_groups(group)
+            await lifecycle.attach_worker_logs(group, cfg, self.run_dir)
+        await self._prepare_training(group)
         for row in group.topology():
             self.log.info(
                 f"COMPONENT {row.component}:{row.rank} bundle={row.bundle} "
@@ -378,42 +378,9 @@ class RunController:
             pool = await asyncio.to_thread(read, data.val_data_paths)
             self.val_samples = validation_samples(pool, self.cfg)
 
-    async def _attach_worker_logs(self, group: ComponentGroup) -> None:
-        members = group.all()
-        paths = [
-            (str(self.run_dir / "log" / f"{m.slot.component}-{m.slot.rank}.log"),) for m in members
-        ]
-        await group.call_each(
-            members,
-            "attach_log",
-            timeout=self.cfg.runner.timeouts.actor_start_s,
-            stage="per-worker log",
-            per_member=paths,
-        )
-
-    async def _join_process_groups(self, group: ComponentGroup) -> None:
-        timeout = self.cfg.runner.timeouts.collective_s
-        actors = group.actors()
-        consumers = group.policy_copies()
-        members = actors + consumers
-        master = await group.call(
-            actors[0], "rendezvous_address", timeout=timeout, stage="rendezvous"
-        )
-        actor_ranks = list(range(len(actors)))
-        consumer_ranks = list(range(len(actors), len(members)))
-        shared = group.shared_gpus()
-        args = [
-            (tuple(master), i, len(members), actor_ranks, consumer_ranks, shared)
-            for i in range(len(members))
-        ]
-        with self.clock.phase("process_groups"):
-            await group.call_each(
-                members, "join", timeout=timeout, stage="process group", per_member=args
-            )
-        with self.clock.phase("actor_build"):
-            await group.call_each(
-                actors, "build", timeout=self.cfg.runner.timeouts.actor_start_s, stage="actor build"
-            )
+    async def _prepare_training(self, group: ComponentGroup) -> None:
+        """Process groups and the actor's build, its restore when resuming, the first sync."""
+        await lifecycle.join_process_groups(group, self.cfg, self.clock)
         self.resume_from = ckpt.resume_source(self.cfg, self.run_dir)
         if self.resume_from is not None:
             with self.clock.phase("restore"):
@@ -422,61 +389,6 @@ class RunController:
                 )
         with self.clock.phase("weight_sync"):
             await sync_weights(group, self.cfg)  # rollout and inference start from the actor
-
-    async def _memory_metrics(self, group: ComponentGroup) -> dict[str, float]:
-        """Every component process's memory during the step just done, as
-        memory/<component>/<rank>/<what> in GiB (GPU peaks on GPUs, host memory everywhere)."""
-        members = group.all()
-        reports = await group.call_each(
-            members,
-            "memory_report",
-            timeout=self.cfg.runner.timeouts.collective_s,
-            stage="memory report",
-        )
-        return {
-            f"memory/{m.slot.component}/{m.slot.rank}/{what}": value
-            for m, report in zip(members, reports)
-            for what, value in report.items()
-        }
-
-    async def _log_component_startup(self, group: ComponentGroup) -> None:
-        """Each component's model load and compile-cache state, into the start-up record."""
-        members = group.all()
-        reports = await group.call_each(
-            members,
-            "startup_report",
-            timeout=self.cfg.runner.timeouts.actor_start_s,
-            stage="start-up report",
-        )
-        for member, report in zip(members, reports):
-            who = f"{member.slot.component}:{member.slot.rank}"
-            # spawn: from the controller's request to the constructor's first line (the
-            # process's start and imports; wall clocks of two nodes); init: the constructor.
-            if report.get("began") is not None:
-                self.clock.record(f"spawn/{who}", report["began"] - self.components_began)
-                if member.ready_at is not None:
-                    self.clock.record(f"init/{who}", member.ready_at - report["began"])
-            for part, seconds in report["seconds"].items():  # load, grader_start
-                self.clock.record(f"{part}/{who}", seconds)
-            for line in report["cache"]:
-                self.log.detail(line)
-
-    async def _after_compiled_step(self, group: ComponentGroup, first: bool) -> None:
-        """Save newly compiled kernels to the shared compile cache; after the run's first step
-        also record each component's compile seconds."""
-        members = group.all()
-        answers = await group.call_each(
-            members,
-            "save_compile_cache",
-            timeout=self.cfg.runner.timeouts.checkpoint_s,
-            stage="compile cache",
-        )
-        for member, answer in zip(members, answers):
-            for line in answer["cache"]:
-                self.log.detail(line)
-            if first and answer["compile_s"] > 0:
-                who = f"{member.slot.component}:{member.slot.rank}"
-                self.clock.record(f"compile/{who}", answer["compile_s"])
 
     async def _train(self) -> None:
         cfg, group, source = self.cfg, self.group, self.resume_from
@@ -516,7 +428,7 @@ class RunController:
                     group, cfg, step, prompts, [samples[i].solutions for i in indices]
                 )
                 if cfg.compile_cache_root is not None and cfg.cluster.accelerator == "cuda":
-                    await self._after_compiled_step(group, first)
+                    await lifecycle.after_compiled_step(group, cfg, self.clock, self.log, first)
                 if first:
                     self.clock.record("first_step", result.timings["time/step"])
                     self.clock.since_call("to_first_step")
@@ -528,7 +440,7 @@ class RunController:
                     )
                     result.timings["time/validation"] = val.pop("time/validation")
                     result.metrics.update(val)
-                result.metrics.update(await self._memory_metrics(group))
+                result.metrics.update(await lifecycle.memory_metrics(group, cfg))
                 self.last, self.last_step = {**result.metrics, **result.timings}, step
                 writer.write(step, self.last)
                 ray_metrics.export_step(self.run_id, step, self.last)

@@ -1,0 +1,112 @@
+"""The controller's calls to every component between its start and its end: per-worker logs,
+process groups and the actor's build, the start-up report, the compile cache after a compiled
+step, and the per-step memory report. Each is one round of calls with a timeout; a failure
+names the component, rank and node (group.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.run.group import ComponentGroup
+from rlinf_twoworker.run.startup import StartupClock
+from rlinf_twoworker.storage.rundir import RunLog
+
+
+async def attach_worker_logs(group: ComponentGroup, cfg: GRPOConfig, run_dir: Path) -> None:
+    """runner.per_worker_log: each process also logs to log/<component>-<rank>.log."""
+    members = group.all()
+    paths = [(str(run_dir / "log" / f"{m.slot.component}-{m.slot.rank}.log"),) for m in members]
+    await group.call_each(
+        members,
+        "attach_log",
+        timeout=cfg.runner.timeouts.actor_start_s,
+        stage="per-worker log",
+        per_member=paths,
+    )
+
+
+async def join_process_groups(group: ComponentGroup, cfg: GRPOConfig, clock: StartupClock) -> None:
+    """The actors' and the policy copies' process groups (rendezvous at actor rank 0), then the
+    actor's FSDP build."""
+    timeout = cfg.runner.timeouts.collective_s
+    actors = group.actors()
+    members = actors + group.policy_copies()
+    master = await group.call(actors[0], "rendezvous_address", timeout=timeout, stage="rendezvous")
+    actor_ranks = list(range(len(actors)))
+    consumer_ranks = list(range(len(actors), len(members)))
+    shared = group.shared_gpus()
+    args = [
+        (tuple(master), i, len(members), actor_ranks, consumer_ranks, shared)
+        for i in range(len(members))
+    ]
+    with clock.phase("process_groups"):
+        await group.call_each(
+            members, "join", timeout=timeout, stage="process group", per_member=args
+        )
+    with clock.phase("actor_build"):
+        await group.call_each(
+            actors, "build", timeout=cfg.runner.timeouts.actor_start_s, stage="actor build"
+        )
+
+
+async def log_startup(
+    group: ComponentGroup, cfg: GRPOConfig, clock: StartupClock, log: RunLog, began: float
+) -> None:
+    """Each component's start-up into the record: spawn (the controller's request, at wall
+    clock `began`, to the constructor's first line), init (the constructor), its model load
+    and its compile-cache state."""
+    members = group.all()
+    reports = await group.call_each(
+        members,
+        "startup_report",
+        timeout=cfg.runner.timeouts.actor_start_s,
+        stage="start-up report",
+    )
+    for member, report in zip(members, reports):
+        who = f"{member.slot.component}:{member.slot.rank}"
+        # spawn is the process's start and imports; on two nodes it mixes their wall clocks.
+        if report.get("began") is not None:
+            clock.record(f"spawn/{who}", report["began"] - began)
+            if member.ready_at is not None:
+                clock.record(f"init/{who}", member.ready_at - report["began"])
+        for part, seconds in report["seconds"].items():  # load, grader_start
+            clock.record(f"{part}/{who}", seconds)
+        for line in report["cache"]:
+            log.detail(line)
+
+
+async def after_compiled_step(
+    group: ComponentGroup, cfg: GRPOConfig, clock: StartupClock, log: RunLog, first: bool
+) -> None:
+    """Save newly compiled kernels to the shared compile cache; after the run's first step
+    also record each component's compile seconds."""
+    members = group.all()
+    answers = await group.call_each(
+        members,
+        "save_compile_cache",
+        timeout=cfg.runner.timeouts.checkpoint_s,
+        stage="compile cache",
+    )
+    for member, answer in zip(members, answers):
+        for line in answer["cache"]:
+            log.detail(line)
+        if first and answer["compile_s"] > 0:
+            clock.record(f"compile/{member.slot.component}:{member.slot.rank}", answer["compile_s"])
+
+
+async def memory_metrics(group: ComponentGroup, cfg: GRPOConfig) -> dict[str, float]:
+    """Every component process's memory during the step just done, as
+    memory/<component>/<rank>/<what> in GiB (GPU peaks on GPUs, host memory everywhere)."""
+    members = group.all()
+    reports = await group.call_each(
+        members,
+        "memory_report",
+        timeout=cfg.runner.timeouts.collective_s,
+        stage="memory report",
+    )
+    return {
+        f"memory/{m.slot.component}/{m.slot.rank}/{what}": value
+        for m, report in zip(members, reports)
+        for what, value in report.items()
+    }
