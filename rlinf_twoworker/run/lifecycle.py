@@ -6,9 +6,10 @@ names the component, rank and node (group.py)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from rlinf_twoworker.config import GRPOConfig
-from rlinf_twoworker.run.group import ComponentGroup
+from rlinf_twoworker.run.group import ComponentGroup, Member
 from rlinf_twoworker.run.startup import StartupClock
 from rlinf_twoworker.storage.rundir import RunLog
 
@@ -56,14 +57,10 @@ async def log_startup(
     """Each component's start-up into the record: spawn (the controller's request, at wall
     clock `began`, to the constructor's first line), init (the constructor), its model load
     and its compile-cache state."""
-    members = group.all()
-    reports = await group.call_each(
-        members,
-        "startup_report",
-        timeout=cfg.runner.timeouts.actor_start_s,
-        stage="start-up report",
+    answers = await _ask_all(
+        group, "startup_report", cfg.runner.timeouts.actor_start_s, "start-up report"
     )
-    for member, report in zip(members, reports):
+    for member, report in answers:
         who = f"{member.slot.component}:{member.slot.rank}"
         # spawn is the process's start and imports; on two nodes it mixes their wall clocks.
         if report.get("began") is not None:
@@ -81,14 +78,10 @@ async def after_compiled_step(
 ) -> None:
     """Save newly compiled kernels to the shared compile cache; after the run's first step
     also record each component's compile seconds."""
-    members = group.all()
-    answers = await group.call_each(
-        members,
-        "save_compile_cache",
-        timeout=cfg.runner.timeouts.checkpoint_s,
-        stage="compile cache",
+    answers = await _ask_all(
+        group, "save_compile_cache", cfg.runner.timeouts.checkpoint_s, "compile cache"
     )
-    for member, answer in zip(members, answers):
+    for member, answer in answers:
         for line in answer["cache"]:
             log.detail(line)
         if first and answer["compile_s"] > 0:
@@ -98,15 +91,20 @@ async def after_compiled_step(
 async def memory_metrics(group: ComponentGroup, cfg: GRPOConfig) -> dict[str, float]:
     """Every component process's memory during the step just done, as
     memory/<component>/<rank>/<what> in GiB (GPU peaks on GPUs, host memory everywhere)."""
-    members = group.all()
-    reports = await group.call_each(
-        members,
-        "memory_report",
-        timeout=cfg.runner.timeouts.collective_s,
-        stage="memory report",
+    answers = await _ask_all(
+        group, "memory_report", cfg.runner.timeouts.collective_s, "memory report"
     )
     return {
         f"memory/{m.slot.component}/{m.slot.rank}/{what}": value
-        for m, report in zip(members, reports)
+        for m, report in answers
         for what, value in report.items()
     }
+
+
+async def _ask_all(
+    group: ComponentGroup, method: str, timeout: float, stage: str
+) -> list[tuple[Member, Any]]:
+    """Every member's answer to `method`, beside the member."""
+    members = group.all()
+    answers = await group.call_each(members, method, timeout=timeout, stage=stage)
+    return list(zip(members, answers))
