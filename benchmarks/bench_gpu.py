@@ -722,12 +722,14 @@ def memory_budget_table(results: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for name, r in runs.items():
-        plan = next((x for x in r.get("memory_plan_lines", []) if "resource rank 0" in x), "")
+        plan_lines = r.get("memory_plan_lines", [])
+        plan = next((x for x in plan_lines if x.startswith("node ") and "rank 0" in x), "")
         offload = [x for x in r.get("offload_s", []) if x is not None]
+        peak = r.get("gpu_used_peak_gib_nvidia_smi")
         lines.append(
-            f"| {name} | {r.get('gpu_used_peak_gib_nvidia_smi')} | "
+            f"| {name} | {'-' if peak is None else f'{peak:.1f}'} | "
             f"{r.get('median_later_step_s', float('nan')):.2f} | "
-            f"{statistics.median(offload) if offload else '-'} | {plan} |"
+            f"{f'{statistics.median(offload):.2f}' if offload else '-'} | {plan} |"
         )
     return "\n".join(lines)
 
