@@ -242,6 +242,9 @@ class Worker:
 class PolicyCopy(Worker):
     """A component holding a copy of the policy (rollout, inference): it receives weights."""
 
+    _held_reported = 0
+    """Bytes still reserved after a release when that was last reported (release_memory)."""
+
     def receive_weights(self, sync_dtype: str) -> dict[str, float]:
         """Take part in the collective weight sync (actor ranks send)."""
         start = time.perf_counter()
@@ -263,7 +266,10 @@ class PolicyCopy(Worker):
         freed = offload.release_weights(self.model)
         offload.free_cached(self.device)
         held = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
-        if held > HELD_WARNING_BYTES:  # the memory plan counts none of it during the update
+        # The memory plan counts none of it during the update. Said once, and again only
+        # when it has grown by as much (describing it walks every Python object).
+        if held > max(HELD_WARNING_BYTES, self._held_reported + HELD_WARNING_BYTES):
+            self._held_reported = held
             logging.getLogger("rlinf_twoworker").warning(
                 f"{self.component} rank {self.rank} still holds {held / GIB:.2f} GiB of GPU "
                 f"memory after giving it back for the actor's update; the memory plan counts "
