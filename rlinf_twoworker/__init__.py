@@ -6,8 +6,12 @@ ray.get(handle.checkpoint(2))
 report = handle.result()
 """
 
-from rlinf_twoworker.config import GRPOConfig, load_config
-from rlinf_twoworker.errors import (
+import time as _time
+
+_imported_at = _time.time()  # when this process began importing the library (start-up record)
+
+from rlinf_twoworker.config import GRPOConfig, load_config  # noqa: E402
+from rlinf_twoworker.errors import (  # noqa: E402
     ClusterError,
     ComponentError,
     ConfigError,

@@ -211,6 +211,11 @@ def test_cancel_makes_pending_futures_raise_and_frees_the_cluster(cluster_2x2, i
     for who in processes:  # a process's start and its constructor lie inside the phase
         seen = first.startup
         assert seen[f"spawn/{who}"] + seen[f"init/{who}"] <= seen["components"] + 0.1, who
+        # the spawn in parts (Ray's worker pool, the interpreter, the imports) adds up to it
+        parts = [seen[f"{part}/{who}"] for part in ("process", "worker_boot", "imports")]
+        assert sum(parts) == pytest.approx(seen[f"spawn/{who}"], abs=0.01), (who, parts)
+        assert seen[f"imports/{who}"] > 0, who  # the worker module imports torch
+    assert first.startup["tokenizer/rollout:0"] > 0 and "engine/rollout:0" in first.startup
     for who in ["rollout:0", "inference:0", "actor:1"]:
         assert first.startup[f"load/{who}"] <= first.startup[f"init/{who}"], who
     assert first.startup["to_first_step"] >= first.startup["ready"] >= first.startup["components"]

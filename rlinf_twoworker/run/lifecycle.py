@@ -65,12 +65,31 @@ async def log_startup(
         # spawn is the process's start and imports; on two nodes it mixes their wall clocks.
         if report.get("began") is not None:
             clock.record(f"spawn/{who}", report["began"] - began)
+            for phase, seconds in spawn_parts(report, began).items():
+                clock.record(f"{phase}/{who}", seconds)
             if member.ready_at is not None:
                 clock.record(f"init/{who}", member.ready_at - report["began"])
         for part, seconds in report["seconds"].items():  # load, grader_start
             clock.record(f"{part}/{who}", seconds)
         for line in report["cache"]:
             log.detail(line)
+
+
+def spawn_parts(report: dict[str, Any], requested: float) -> dict[str, float]:
+    """A component's spawn in parts, from its wall-clock marks (workers/base.process_times):
+    `process`, the request to the process's creation (Ray's scheduling and worker pool; 0
+    when Ray handed over a worker it had started before); `worker_boot`, from there to the
+    library's first import (the interpreter, Ray's worker, the actor's assignment); `imports`,
+    the component's modules up to its constructor."""
+    created, imported, began = report.get("created"), report.get("imported"), report["began"]
+    if created is None or imported is None or not created <= imported <= began:
+        return {}
+    start = max(created, requested)
+    return {
+        "process": max(0.0, created - requested),
+        "worker_boot": max(0.0, imported - start),
+        "imports": began - max(imported, start),
+    }
 
 
 async def after_compiled_step(

@@ -12,6 +12,14 @@ Phases, in order (the components' model loads overlap one another):
     preflight/collective  the cross-node all-reduce, inside `preflight`
     data             the training (and validation) data read
     components       every component process started and its model loaded (the actor's too)
+    spawn/<c>:<r>    one component's request to its constructor's first line, inside
+                     `components`, in parts: process/ (Ray's scheduling and worker pool),
+                     worker_boot/ (the interpreter and Ray's worker, up to the library's
+                     import) and imports/ (the component's modules)
+    init/<c>:<r>     its constructor, in parts: tokenizer/ (the rollout's), load/ (the
+                     model), compiler_imports/ (what was left of torch.compile's imports,
+                     which run beside the load on GPUs), cache_load/ (its compile-cache entry),
+                     engine/ (the rollout's generation engine)
     load/<c>:<r>     one component's model load, inside `components`
     grader_start/reward:0  the reward's grading processes started and warmed up, inside
                      `components`

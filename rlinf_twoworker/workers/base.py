@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -103,6 +104,26 @@ def attach_log(path: str, component: str, rank: int) -> None:
     logging.getLogger("rlinf_twoworker").info(f"{component} rank {rank} logs to {path}")
 
 
+def process_times(began: float) -> dict[str, float | None]:
+    """Wall-clock marks of this process's start: created (by Ray's worker pool), imported
+    (the library's first import) and began (the component's constructor)."""
+    import rlinf_twoworker
+
+    try:
+        import psutil
+
+        created: float | None = psutil.Process().create_time()
+    except Exception:  # psutil comes with ray[default]; without it the split is unknown
+        created = None
+    return {"created": created, "imported": rlinf_twoworker._imported_at, "began": began}
+
+
+def _import_compiler() -> None:
+    """Import torch.compile's stack (run in a thread while the model loads)."""
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+
+
 class Worker:
     """Identity, device and process-group membership of one component process."""
 
@@ -119,23 +140,32 @@ class Worker:
         """Seconds of this process's start-up parts (model load), for the run's log."""
         self.compile_cache = CompileCache(None, component, "")
         torch.manual_seed(cfg.actor.seed + rank)
+        # The compiler stack takes seconds to import: on GPUs (where the components compile)
+        # it is imported beside the model load, not after it, in the actor's build or step 1.
+        self._compiler_imports: threading.Thread | None = None
+        if self.device.type == "cuda":
+            self._compiler_imports = threading.Thread(
+                target=_import_compiler, name="compiler-imports", daemon=True
+            )
+            self._compiler_imports.start()
 
     def load_model(self, path: str, dtype: torch.dtype) -> Any:
         """Load the model (timed: startup['load']) and, on GPUs, this component's entry of
-        the shared compile cache before anything is compiled."""
+        the shared compile cache before anything is compiled (startup['compiler_imports']:
+        the wait for the compiler's imports, startup['cache_load']: the entry's load)."""
         start = time.perf_counter()
         model = load_causal_lm(path, dtype, self.device)
         self.startup["load"] = time.perf_counter() - start
-        if self.device.type == "cuda":  # where the components compile (actor.compile)
-            # The compiler stack takes seconds to import: now, while the other components
-            # load, not in the actor's build or step 1.
-            import torch._dynamo  # noqa: F401
-            import torch._inductor.compile_fx  # noqa: F401
-
+        if self._compiler_imports is not None:
+            start = time.perf_counter()
+            self._compiler_imports.join()
+            self.startup["compiler_imports"] = time.perf_counter() - start
+            start = time.perf_counter()
             self.compile_cache = compile_cache.for_model(
                 self.cfg.compile_cache_root, self.component, model, self.device
             )
             self.compile_cache.load()
+            self.startup["cache_load"] = time.perf_counter() - start
         return model
 
     def memory_report(self) -> dict[str, float]:
@@ -145,8 +175,8 @@ class Worker:
     def startup_report(self) -> dict[str, Any]:
         """What this process's start-up took and what its compile cache did."""
         return {
+            **process_times(self.began),
             "seconds": dict(self.startup),
-            "began": self.began,
             "cache": [e.line(f"{self.component}:{self.rank}") for e in self.compile_cache.events],
         }
 

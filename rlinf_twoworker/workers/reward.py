@@ -319,7 +319,9 @@ class RewardWorker:
 
     def startup_report(self) -> dict[str, Any]:
         """The grading processes' start; no model, nothing compiled."""
-        return {"seconds": dict(self.startup), "began": self.began, "cache": []}
+        from rlinf_twoworker.workers.base import process_times
+
+        return {**process_times(self.began), "seconds": dict(self.startup), "cache": []}
 
     def save_compile_cache(self) -> dict[str, Any]:
         return {"cache": [], "compile_s": 0.0}

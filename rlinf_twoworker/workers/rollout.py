@@ -48,7 +48,9 @@ class RolloutWorker(PolicyCopy):
 
     def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
         super().__init__(cfg, "rollout", rank)
+        start = time.perf_counter()
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
+        self.startup["tokenizer"] = time.perf_counter() - start
         self.dtype = dtype_for(cfg.rollout.model.precision, self.device)
         self.model = self.load_model(cfg.rollout.model.model_path, self.dtype).eval()
         eos = self.tokenizer.eos_token_id
@@ -58,6 +60,7 @@ class RolloutWorker(PolicyCopy):
         # Prompts are cut to max_prompt_length, so every sampler is built for this length.
         max_len = cfg.data.max_prompt_length + cfg.max_new_tokens
         where = f"rollout rank {rank}, model {cfg.rollout.model.model_path}"
+        start = time.perf_counter()
         self.engine = choose_engine(
             cfg.rollout.engine,
             self.model,
@@ -65,6 +68,7 @@ class RolloutWorker(PolicyCopy):
             where,
             max_batch_size=cfg.rollout.max_batch_size,
         )
+        self.startup["engine"] = time.perf_counter() - start
 
     @property
     def static(self) -> bool:
