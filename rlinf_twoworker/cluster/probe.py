@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -115,11 +115,25 @@ class NodeProbe:
                     problems.append(f"node {node_rank} ({r['hostname']}): {exc}")
             return found, problems, time.perf_counter() - start
 
-        # Hashing the inputs (gigabytes of model files) is the longest check and releases the
-        # GIL: it runs in a thread while the others run here; errors keep their order.
-        with ThreadPoolExecutor(1, thread_name_prefix="preflight-manifests") as pool:
+        def import_modules() -> tuple[dict[str, str], list[tuple[str, str]], float]:
+            start, versions, failed = time.perf_counter(), {}, []
+            for name in pre.required_modules:
+                try:
+                    module = importlib.import_module(name)
+                    versions[name] = str(getattr(module, "__version__", "ok"))
+                except Exception as exc:  # any import failure is a finding, never a crash
+                    failed.append((name, f"{type(exc).__name__}: {exc}"))
+            return versions, failed, time.perf_counter() - start
+
+        # The checks that wait (hashing gigabytes of inputs, nvidia-smi) or mostly load code
+        # (the heavy imports) run in threads beside the GPU check, which initialises CUDA
+        # here; their errors keep the order of the checks.
+        cuda = cfg.cluster.accelerator == "cuda"
+        with ThreadPoolExecutor(3, thread_name_prefix="preflight") as pool:
             hashing = pool.submit(verify_manifests)
-            self._check_gpus(cfg, r, fail)
+            importing = pool.submit(import_modules)
+            drivers = pool.submit(_driver_versions) if cuda else None
+            self._check_gpus(cfg, r, fail, drivers)
             lap("gpus")
             ib = os.environ.get("NCCL_IB_DISABLE")
             r["nccl_ib_disable"] = ib
@@ -136,23 +150,23 @@ class NodeProbe:
                 if problem:
                     fail(f"model {model}", problem, "point *.model.model_path at a causal LM")
             lap("model_configs")
-            r["modules"] = {}
-            for name in pre.required_modules:
-                try:
-                    module = importlib.import_module(name)
-                    r["modules"][name] = str(getattr(module, "__version__", "ok"))
-                except Exception as exc:  # any import failure is a finding, never a crash
-                    fail(f"import {name}", f"{type(exc).__name__}: {exc}", "install it in the env")
-            lap("imports")
+            r["modules"], failed, imported_s = importing.result()
+            for name, why in failed:
+                fail(f"import {name}", why, "install it in the env")
+            lap("imports_wait")
             r["manifests"], problems, hashed_s = hashing.result()
         errors[manifest_errors_at:manifest_errors_at] = problems
-        seconds["manifests"] = round(hashed_s, 3)  # alongside the checks above
+        seconds["imports"] = round(imported_s, 3)  # alongside the checks above
+        seconds["manifests"] = round(hashed_s, 3)
         lap("manifests_wait")
         r["seconds"] = seconds
         r["errors"] = errors
         return r
 
-    def _check_gpus(self, cfg: GRPOConfig, r: dict[str, Any], fail: Callable) -> None:
+    def _check_gpus(
+        self, cfg: GRPOConfig, r: dict[str, Any], fail: Callable, drivers: Future | None = None
+    ) -> None:
+        """`drivers`: _driver_versions() running in a thread (called here when None)."""
         r.update(gpu_count=0, gpu_names=[], compute_capabilities=[], driver_version=None)
         r["gpu_memory"] = []
         r["cuda_available"] = False
@@ -185,7 +199,8 @@ class NodeProbe:
         cap = pre.expected_compute_capability
         if cap and any(c != cap for c in r["compute_capabilities"]):
             fail("compute capability", r["compute_capabilities"], f"expected {cap} (GPU image?)")
-        per_gpu = _driver_versions()  # nvidia-smi lists every GPU of the node, not only ours
+        # nvidia-smi lists every GPU of the node, not only ours
+        per_gpu = drivers.result() if drivers is not None else _driver_versions()
         versions, r["node_gpu_count"] = sorted(set(per_gpu)), len(per_gpu)
         r["driver_version"] = versions[0] if len(versions) == 1 else None
         if len(versions) != 1:
