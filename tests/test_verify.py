@@ -38,8 +38,11 @@ STEP_LIMIT = f"Step limit given by max_steps={STEPS} reached. Stopping run"
 FULL_STATE = {"embed.weight": torch.arange(32.0).reshape(8, 4), "norm.weight": torch.ones(4)}
 
 
-def _save_shard(rank: int, world_size: int, init_file: str, checkpoint: str) -> None:
-    """One FSDP-like rank: its half of every tensor as a DTensor, saved with DCP over gloo."""
+def _save_shard(
+    rank: int, world_size: int, init_file: str, checkpoint: str, threads: int = 1
+) -> None:
+    """One FSDP-like rank: its half of every tensor as a DTensor, saved with DCP over gloo
+    into `threads` files a rank (as runner.checkpoint_write_threads does)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -48,7 +51,8 @@ def _save_shard(rank: int, world_size: int, init_file: str, checkpoint: str) -> 
     )
     mesh = init_device_mesh("cpu", (world_size,))
     model = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in FULL_STATE.items()}
-    dcp.save({"fsdp_checkpoint": {"model": model}}, checkpoint_id=checkpoint)
+    writer = dcp.FileSystemWriter(checkpoint, thread_count=threads)
+    dcp.save({"fsdp_checkpoint": {"model": model}}, storage_writer=writer)
     dist.destroy_process_group()
 
 
@@ -126,6 +130,25 @@ def run_dir(tmp_path: Path, dcp_template: Path) -> Path:
     nodes = [{"node_rank": i, "hostname": h, "gpu_count": 2} for i, h in enumerate("ab")]
     (run / "preflight.json").write_text(json.dumps({"passed": True, "nodes": nodes}))
     return run
+
+
+def test_a_shard_written_as_several_files_a_rank_counts_once_and_each_file_is_checked(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    dcp_dir = run_dir / "checkpoints" / f"global_step_{STEPS}" / "actor" / "dcp_checkpoint"
+    shutil.rmtree(dcp_dir)
+    mp.spawn(_save_shard, args=(2, str(tmp_path / "init"), str(dcp_dir), 2), nprocs=2, join=True)
+    names = sorted(p.name for p in dcp_dir.glob("*.distcp"))
+    assert names == ["__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"]
+    report, lines = _verify(run_dir)
+    assert report.passed, report.errors
+    assert report.actor_fsdp_shards == 2 and "ACTOR_FSDP_SHARDS=2" in lines
+    # One rank's second file gone: that rank still has a file, but .metadata names the lost one.
+    named = [n for n in names if n.startswith("__1_") and (dcp_dir / n).stat().st_size > 0]
+    (dcp_dir / named[-1]).unlink()
+    report, _ = _verify(run_dir)
+    assert not report.passed
+    assert [e for e in report.errors if f"{named[-1]} named in .metadata is missing" in e]
 
 
 def _verify(run: Path, **kwargs: Any) -> tuple[Any, list[str]]:
@@ -295,10 +318,13 @@ FAILURES = {
     "missing-tag": (_scalars(grad_norm=None), ["no scalar 'actor/training/actor/grad_norm'"]),
     "no-events": (lambda run: shutil.rmtree(run / "tensorboard"), ["events.out.tfevents"]),
     "no-metadata": (_remove("actor/dcp_checkpoint/.metadata"), [".metadata is missing or empty"]),
-    "one-shard": (_remove("actor/dcp_checkpoint/__1_0.distcp"), ["1 non-empty *.distcp shard"]),
+    "one-shard": (
+        _remove("actor/dcp_checkpoint/__1_0.distcp"),
+        ["shard files of 1 rank(s)", "__1_0.distcp named in .metadata is missing"],
+    ),
     "empty-shard": (
         _remove("actor/dcp_checkpoint/__1_0.distcp", truncate=True),
-        ["1 non-empty *.distcp shard", "__1_0.distcp"],
+        ["shard files of 1 rank(s)", "__1_0.distcp has 0 bytes"],
     ),
     "no-data-pt": (_remove("data/data.pt"), ["data.pt is missing or empty"]),
     "no-checkpoint": (_remove(""), ["global_step_2 is missing"]),

@@ -173,6 +173,11 @@ class RunnerConfig:
     """Checkpoint every N steps and at the last step; -1 never checkpoints (RLinf's meaning)."""
     keep_last_checkpoints: int = 0
     """Keep only the newest K complete checkpoints (0 keeps all)."""
+    checkpoint_write_threads: int = 8
+    """Files each actor rank writes its checkpoint shard into, at once (torch DCP's
+    FileSystemWriter thread_count): one rank's shard is __<rank>_0.distcp .. __<rank>_<N-1>.distcp.
+    Storage that limits each stream (network file systems, cloud disks) writes several streams
+    faster than one; 1 writes RLinf's one file per rank."""
     save_full_weights: bool = False
     """Also write a full-model Hugging Face copy of each checkpoint (actor/huggingface/), as
     `rlinf-twoworker export-hf` would; off by default (the tutorial saves only the shards)."""
@@ -261,6 +266,12 @@ class RunnerConfig:
             "runner.keep_last_checkpoints",
             self.keep_last_checkpoints,
             "must be >= 0",
+        )
+        _require(
+            self.checkpoint_write_threads >= 1,
+            "runner.checkpoint_write_threads",
+            self.checkpoint_write_threads,
+            "must be >= 1 (1 writes one file per actor rank)",
         )
         _require(self.seq_length >= 2, "runner.seq_length", self.seq_length, "must be >= 2")
         _require(

@@ -16,6 +16,7 @@ from rlinf_twoworker import components
 from rlinf_twoworker.config.placement import parse_ranks
 from rlinf_twoworker.errors import TwoWorkerError
 from rlinf_twoworker.results import VerificationReport
+from rlinf_twoworker.storage.checkpoints import dcp_problems
 from rlinf_twoworker.storage.expected import Expected
 from rlinf_twoworker.storage.metrics import event_files, read_scalars, tensorboard_dir
 from rlinf_twoworker.storage.rundir import (
@@ -274,7 +275,11 @@ def check_checkpoint(run_dir: Path, report: VerificationReport, expected: Expect
     dcp_dir = ckpt / "actor" / "dcp_checkpoint"
     metadata, data = dcp_dir / ".metadata", ckpt / "data" / "data.pt"
     shards = sorted(dcp_dir.glob("*.distcp"))
-    report.actor_fsdp_shards = sum(1 for p in shards if p.stat().st_size > 0)
+    # A rank's shard is its files __<rank>_<i>.distcp (runner.checkpoint_write_threads of
+    # them); the count is of ranks that wrote one, non-empty.
+    report.actor_fsdp_shards = len(
+        {p.name.split("_")[2] for p in shards if p.stat().st_size > 0 and p.name.count("_") >= 3}
+    )
     # One shard per FSDP actor rank: two in the tutorial's placement ("2-3").
     min_shards = _actor_ranks(expected.placement)
     errors = []
@@ -283,12 +288,18 @@ def check_checkpoint(run_dir: Path, report: VerificationReport, expected: Expect
             f"{metadata} is missing or empty; the sharded actor checkpoint is incomplete and "
             "cannot be loaded: the save did not finish"
         )
+    shard_problems = []
     if report.actor_fsdp_shards < min_shards:
-        errors.append(
-            f"{dcp_dir} has {report.actor_fsdp_shards} non-empty *.distcp shard(s) (files: "
-            f"{[p.name for p in shards]}); a run with {min_shards} FSDP actor ranks writes at "
-            f"least {min_shards}: a rank did not save"
+        shard_problems.append(
+            f"{dcp_dir} has non-empty *.distcp shard files of {report.actor_fsdp_shards} "
+            f"rank(s) (files: {[p.name for p in shards]}); a run with {min_shards} FSDP actor "
+            f"ranks writes a shard for each: a rank did not save"
         )
+    if metadata.is_file() and metadata.stat().st_size > 0:
+        # Every file the .metadata names, present and long enough (a shard spans files).
+        shard_problems += dcp_problems(dcp_dir)
+    if shard_problems:
+        errors.append("; ".join(shard_problems))
     if not data.is_file() or data.stat().st_size == 0:
         errors.append(
             f"{data} is missing or empty; the data loader's state was not saved, so the run "
