@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rlinf_twoworker.algorithm import PolicyLoss, ppo_loss
 from rlinf_twoworker.config import AlgorithmConfig, GRPOConfig
@@ -135,6 +133,13 @@ def prepare_for_training(
 
 class ActorWorker(Worker):
     """One FSDP2 rank of the policy being trained."""
+
+    # FSDP2 and DCP take seconds to import: beside the model load, not before the constructor.
+    background_imports = (
+        "torch.distributed.fsdp",
+        "torch.distributed.checkpoint",
+        "torch.distributed.checkpoint.state_dict",
+    )
 
     def __init__(self, cfg: GRPOConfig, rank: int) -> None:
         super().__init__(cfg, "actor", rank)
@@ -379,6 +384,8 @@ class ActorWorker(Worker):
                 self.offloader.offload()
 
     def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         rng = {f"rank_{self.rank}": torch.get_rng_state()}
         return {
@@ -392,6 +399,8 @@ class ActorWorker(Worker):
 
     def save_checkpoint(self, path: str) -> dict[str, Any]:
         """Write this rank's DCP shard (a collective of the actor group)."""
+        import torch.distributed.checkpoint as dcp
+
         start = time.perf_counter()
         with self._on_device():
             try:
@@ -415,6 +424,9 @@ class ActorWorker(Worker):
             self._load_checkpoint(path)
 
     def _load_checkpoint(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         state = self._state()
         dcp.load(state, checkpoint_id=path, process_group=self.actor_group)
         inner = state["fsdp_checkpoint"]
