@@ -8,7 +8,6 @@ bundle of the placement group, holding that node's GPUs, and compares what they 
 from __future__ import annotations
 
 import datetime
-import importlib
 import json
 import os
 import shutil
@@ -66,6 +65,57 @@ def _driver_versions() -> list[str]:
         return []
 
 
+_IMPORT_TIMEOUT_S = 300.0
+_IMPORT_CHECK = """
+import importlib, json, sys
+try:
+    module = importlib.import_module(sys.argv[1])
+    print(json.dumps({"version": str(getattr(module, "__version__", "ok"))}))
+except Exception as exc:
+    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+"""
+
+
+def import_in_subprocesses(names: list[str]) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """Import each module in a process of its own, all at once: this interpreter, its sys.path
+    (Ray's runtime_env paths included) and environment. Imports are Python work under one
+    lock per process, so threads would take them one after another. Returns {module:
+    version} and [(module, why)] for those that fail."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", _IMPORT_CHECK, name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for name in names
+    }
+    versions: dict[str, str] = {}
+    failed: list[tuple[str, str]] = []
+    deadline = time.monotonic() + _IMPORT_TIMEOUT_S
+    for name, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            failed.append((name, f"the import did not finish in {_IMPORT_TIMEOUT_S:g} s"))
+            continue
+        lines = out.strip().splitlines()
+        try:
+            answer = json.loads(lines[-1]) if lines else {}
+        except ValueError:
+            answer = {}
+        if "version" in answer:
+            versions[name] = answer["version"]
+        else:
+            last = (err.strip().splitlines() or ["no output"])[-1]
+            failed.append((name, answer.get("error") or f"exit {proc.returncode}: {last}"))
+    return versions, failed
+
+
 class NodeProbe:
     """Checks one node. `run` returns a JSON-able dict whose `errors` list is empty on success."""
 
@@ -116,17 +166,12 @@ class NodeProbe:
             return found, problems, time.perf_counter() - start
 
         def import_modules() -> tuple[dict[str, str], list[tuple[str, str]], float]:
-            start, versions, failed = time.perf_counter(), {}, []
-            for name in pre.required_modules:
-                try:
-                    module = importlib.import_module(name)
-                    versions[name] = str(getattr(module, "__version__", "ok"))
-                except Exception as exc:  # any import failure is a finding, never a crash
-                    failed.append((name, f"{type(exc).__name__}: {exc}"))
+            start = time.perf_counter()
+            versions, failed = import_in_subprocesses(pre.required_modules)
             return versions, failed, time.perf_counter() - start
 
-        # The checks that wait (hashing gigabytes of inputs, nvidia-smi) or mostly load code
-        # (the heavy imports) run in threads beside the GPU check, which initialises CUDA
+        # The checks that wait (hashing gigabytes of inputs, nvidia-smi, the heavy imports in
+        # their own processes) run in threads beside the GPU check, which initialises CUDA
         # here; their errors keep the order of the checks.
         cuda = cfg.cluster.accelerator == "cuda"
         with ThreadPoolExecutor(3, thread_name_prefix="preflight") as pool:
