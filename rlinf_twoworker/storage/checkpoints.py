@@ -1,6 +1,7 @@
 """Durable checkpoints: written under a temporary name, renamed only when complete.
 
-Layout (RLinf's): checkpoints/global_step_<N>/actor/dcp_checkpoint/{.metadata,__<r>_0.distcp}
+Layout (RLinf's): checkpoints/global_step_<N>/actor/dcp_checkpoint/{.metadata,__<r>_<i>.distcp}
+(rank r's shard in runner.checkpoint_write_threads files i; RLinf writes one, i = 0)
 with a top-level `fsdp_checkpoint` key holding model, optimizers, lr_schedulers and rng; and
 checkpoints/global_step_<N>/data/data.pt with the data sampler's state. A directory under its
 final name is complete by construction: every shard, .metadata and data.pt were written and
