@@ -17,9 +17,8 @@ Phases, in order (the components' model loads overlap one another):
                      worker_boot/ (the interpreter and Ray's worker, up to the library's
                      import) and imports/ (the component's modules)
     init/<c>:<r>     its constructor, in parts: tokenizer/ (the rollout's), load/ (the
-                     model), imports_wait/ (what was left of the imports that run beside
-                     the load: torch.compile's on GPUs, the actor's FSDP and DCP),
-                     cache_load/ (its compile-cache entry),
+                     model), compiler_imports/ (torch.compile's, on GPUs), cache_load/
+                     (its compile-cache entry),
                      engine/ (the rollout's generation engine)
     load/<c>:<r>     one component's model load, inside `components`
     grader_start/reward:0  the reward's grading processes started and warmed up, inside

@@ -134,13 +134,6 @@ def prepare_for_training(
 class ActorWorker(Worker):
     """One FSDP2 rank of the policy being trained."""
 
-    # FSDP2 and DCP take seconds to import: beside the model load, not before the constructor.
-    background_imports = (
-        "torch.distributed.fsdp",
-        "torch.distributed.checkpoint",
-        "torch.distributed.checkpoint.state_dict",
-    )
-
     def __init__(self, cfg: GRPOConfig, rank: int) -> None:
         super().__init__(cfg, "actor", rank)
         self.model: Any = None

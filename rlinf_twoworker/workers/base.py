@@ -11,7 +11,6 @@ import datetime
 import logging
 import os
 import socket
-import threading
 import time
 from typing import Any
 
@@ -118,24 +117,10 @@ def process_times(began: float) -> dict[str, float | None]:
     return {"created": created, "imported": rlinf_twoworker._imported_at, "began": began}
 
 
-def _import_all(modules: list[str]) -> None:
-    """Import `modules` (run in a thread while the model loads; a failure surfaces where the
-    module is used)."""
-    import importlib
-
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except Exception:  # raised again, with its context, by the code that needs it
-            return
-
-
 class Worker:
     """Identity, device and process-group membership of one component process."""
 
     model: Any
-    background_imports: tuple[str, ...] = ()
-    """Modules this component needs after its model load, imported beside the load."""
 
     def __init__(self, cfg: GRPOConfig, component: str, rank: int) -> None:
         self.began = time.time()  # the process started and imported its worker module
@@ -148,28 +133,24 @@ class Worker:
         """Seconds of this process's start-up parts (model load), for the run's log."""
         self.compile_cache = CompileCache(None, component, "")
         torch.manual_seed(cfg.actor.seed + rank)
-        # Modules that take seconds to import and are needed after the model load: imported
-        # in a thread beside it. On GPUs (where the components compile) torch.compile's stack,
-        # which would otherwise be imported in the actor's build or step 1.
-        modules = list(self.background_imports)
-        if self.device.type == "cuda":
-            modules += ["torch._dynamo", "torch._inductor.compile_fx"]
-        self._imports = threading.Thread(
-            target=_import_all, args=(modules,), name="background-imports", daemon=True
-        )
-        self._imports.start()
 
     def load_model(self, path: str, dtype: torch.dtype) -> Any:
         """Load the model (timed: startup['load']) and, on GPUs, this component's entry of
-        the shared compile cache before anything is compiled (startup['imports_wait']: the
-        wait for the modules imported beside the load; startup['cache_load']: the entry's)."""
+        the shared compile cache before anything is compiled (startup['compiler_imports'],
+        startup['cache_load'])."""
         start = time.perf_counter()
         model = load_causal_lm(path, dtype, self.device)
         self.startup["load"] = time.perf_counter() - start
-        start = time.perf_counter()
-        self._imports.join()
-        self.startup["imports_wait"] = time.perf_counter() - start
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # where the components compile (actor.compile)
+            # The compiler stack takes seconds to import: now, while the other components
+            # load, not in the actor's build or step 1. (Not in a thread beside the load:
+            # imports hold the interpreter lock, and transformers' lazy modules are not safe
+            # to import from two threads at once.)
+            start = time.perf_counter()
+            import torch._dynamo  # noqa: F401
+            import torch._inductor.compile_fx  # noqa: F401
+
+            self.startup["compiler_imports"] = time.perf_counter() - start
             start = time.perf_counter()
             self.compile_cache = compile_cache.for_model(
                 self.cfg.compile_cache_root, self.component, model, self.device

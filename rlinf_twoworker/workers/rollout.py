@@ -12,7 +12,6 @@ chunks of rollout.max_batch_size rows.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -44,21 +43,16 @@ def response_mask(responses: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
     return (~after_eos).long()
 
 
-def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
-    start = time.perf_counter()
-    return fn(*args), time.perf_counter() - start
-
-
 class RolloutWorker(PolicyCopy):
     """Holds a copy of the policy and generates answers for a batch of prompts."""
 
     def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
         super().__init__(cfg, "rollout", rank)
         self.dtype = dtype_for(cfg.rollout.model.precision, self.device)
-        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:  # beside the load
-            tokenizer = pool.submit(_timed, load_tokenizer, cfg.tokenizer_path)
-            self.model = self.load_model(cfg.rollout.model.model_path, self.dtype).eval()
-            self.tokenizer, self.startup["tokenizer"] = tokenizer.result()
+        start = time.perf_counter()
+        self.tokenizer = load_tokenizer(cfg.tokenizer_path)
+        self.startup["tokenizer"] = time.perf_counter() - start
+        self.model = self.load_model(cfg.rollout.model.model_path, self.dtype).eval()
         eos = self.tokenizer.eos_token_id
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         eos_ids = gen_eos if isinstance(gen_eos, list) else [gen_eos]
