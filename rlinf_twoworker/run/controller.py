@@ -389,6 +389,8 @@ class RunController:
                 )
         with self.clock.phase("weight_sync"):
             await sync_weights(group, self.cfg)  # rollout and inference start from the actor
+        # The actor compiles last in step 1: it prepares its compiler while the rollout runs.
+        group.start_compiler_prep(group.actors())
 
     async def _train(self) -> None:
         cfg, group, source = self.cfg, self.group, self.resume_from
@@ -427,6 +429,8 @@ class RunController:
                 result = await run_step(
                     group, cfg, step, prompts, [samples[i].solutions for i in indices]
                 )
+                if first:  # done before the step's compiled calls; recorded now
+                    await lifecycle.compilers_prepared(group, self.clock, self.log)
                 if cfg.compile_cache_root is not None and cfg.cluster.accelerator == "cuda":
                     await lifecycle.after_compiled_step(group, cfg, self.clock, self.log, first)
                 if first:

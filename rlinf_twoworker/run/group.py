@@ -56,6 +56,8 @@ class ComponentGroup:
         self.members: dict[str, list[Member]] = {}
         self.timeouts = cfg.runner.timeouts
         self.stopping = False
+        self.preparing: list[tuple[Member, asyncio.Future]] = []
+        """prepare_compiler calls in flight (start_compiler_prep), awaited before step 1 ends."""
 
     def start(self) -> None:
         """Create every actor (model loading starts in parallel); `wait_started` awaits them."""
@@ -81,12 +83,37 @@ class ComponentGroup:
                 member, "where", timeout=self.timeouts.actor_start_s, stage="start"
             )
             member.ready_at = time.time()
+            if not self.table[member.slot.component].trains:  # the actors': before step 1
+                self.start_compiler_prep([member])
             return where
 
         members = self.all()
         wheres = await gather_fail_fast([answered(m) for m in members])
         for member, where in zip(members, wheres):
             member.where = where
+
+    def start_compiler_prep(self, members: list[Member]) -> None:
+        """Ask each member that holds a model to `prepare_compiler` now, without waiting: its
+        calls run in order, so it is done before the member's next call, and the controller
+        meanwhile goes on with the others (`compilers_prepared` collects the answers)."""
+        for member in members:
+            if self.table[member.slot.component].model_section is None:
+                continue
+            call = self.call(
+                member,
+                "prepare_compiler",
+                timeout=self.timeouts.actor_start_s,
+                stage="compiler preparation",
+            )
+            task = asyncio.ensure_future(call)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read later
+            self.preparing.append((member, task))
+
+    async def compilers_prepared(self) -> list[tuple[Member, Any]]:
+        """The answers of every prepare_compiler started so far (a failure raises)."""
+        started, self.preparing = self.preparing, []
+        answers = await gather_fail_fast([task for _, task in started])
+        return [(member, answer) for (member, _), answer in zip(started, answers)]
 
     def all(self) -> list[Member]:
         return [m for ms in self.members.values() for m in ms]

@@ -56,7 +56,7 @@ async def log_startup(
 ) -> None:
     """Each component's start-up into the record: spawn (the controller's request, at wall
     clock `began`, to the constructor's first line), init (the constructor), its model load
-    and its compile-cache state."""
+    (its compile cache is reported by `compilers_prepared`)."""
     answers = await _ask_all(
         group, "startup_report", cfg.runner.timeouts.actor_start_s, "start-up report"
     )
@@ -71,8 +71,6 @@ async def log_startup(
                 clock.record(f"init/{who}", member.ready_at - report["began"])
         for part, seconds in report["seconds"].items():  # load, grader_start
             clock.record(f"{part}/{who}", seconds)
-        for line in report["cache"]:
-            log.detail(line)
 
 
 def spawn_parts(report: dict[str, Any], requested: float) -> dict[str, float]:
@@ -90,6 +88,17 @@ def spawn_parts(report: dict[str, Any], requested: float) -> dict[str, float]:
         "worker_boot": max(0.0, imported - start),
         "imports": began - max(imported, start),
     }
+
+
+async def compilers_prepared(group: ComponentGroup, clock: StartupClock, log: RunLog) -> None:
+    """Wait for every component's `prepare_compiler` (started by the group); record its
+    seconds (compiler_imports/<c>:<r>, cache_load/<c>:<r>) and log its cache lines."""
+    for member, answer in await group.compilers_prepared():
+        who = f"{member.slot.component}:{member.slot.rank}"
+        for part, seconds in answer["seconds"].items():
+            clock.record(f"{part}/{who}", seconds)
+        for line in answer["cache"]:
+            log.detail(line)
 
 
 async def after_compiled_step(

@@ -132,44 +132,51 @@ class Worker:
         self.startup: dict[str, float] = {}
         """Seconds of this process's start-up parts (model load), for the run's log."""
         self.compile_cache = CompileCache(None, component, "")
+        self._compiler_ready = False
         torch.manual_seed(cfg.actor.seed + rank)
 
     def load_model(self, path: str, dtype: torch.dtype) -> Any:
-        """Load the model (timed: startup['load']) and, on GPUs, this component's entry of
-        the shared compile cache before anything is compiled (startup['compiler_imports'],
-        startup['cache_load'])."""
+        """Load the model (timed: startup['load']); on GPUs also find this component's entry
+        of the shared compile cache (loaded by `prepare_compiler`)."""
         start = time.perf_counter()
         model = load_causal_lm(path, dtype, self.device)
         self.startup["load"] = time.perf_counter() - start
         if self.device.type == "cuda":  # where the components compile (actor.compile)
-            # The compiler stack takes seconds to import: now, while the other components
-            # load, not in the actor's build or step 1. (Not in a thread beside the load:
-            # imports hold the interpreter lock, and transformers' lazy modules are not safe
-            # to import from two threads at once.)
-            start = time.perf_counter()
-            import torch._dynamo  # noqa: F401
-            import torch._inductor.compile_fx  # noqa: F401
-
-            self.startup["compiler_imports"] = time.perf_counter() - start
-            start = time.perf_counter()
             self.compile_cache = compile_cache.for_model(
                 self.cfg.compile_cache_root, self.component, model, self.device
             )
-            self.compile_cache.load()
-            self.startup["cache_load"] = time.perf_counter() - start
         return model
+
+    def prepare_compiler(self) -> dict[str, Any]:
+        """On GPUs, before this process compiles anything: import torch.compile's stack
+        (seconds of Python) and load this component's compile-cache entry. A call of its own,
+        made where the process would otherwise wait: right after its constructor, the actor's
+        while step 1's rollout runs (calls to one component run in order, so it is done
+        before the first compiled call). Once; returns its seconds and cache lines."""
+        if self.device.type != "cuda" or self._compiler_ready:
+            return {"seconds": {}, "cache": []}
+        start = time.perf_counter()
+        import torch._dynamo  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
+
+        imported = time.perf_counter()
+        event = self.compile_cache.load()
+        self._compiler_ready = True
+        return {
+            "seconds": {
+                "compiler_imports": imported - start,
+                "cache_load": time.perf_counter() - imported,
+            },
+            "cache": [event.line(f"{self.component}:{self.rank}")],
+        }
 
     def memory_report(self) -> dict[str, float]:
         """This process's memory since the last report (process_memory)."""
         return process_memory(self.device)
 
     def startup_report(self) -> dict[str, Any]:
-        """What this process's start-up took and what its compile cache did."""
-        return {
-            **process_times(self.began),
-            "seconds": dict(self.startup),
-            "cache": [e.line(f"{self.component}:{self.rank}") for e in self.compile_cache.events],
-        }
+        """What this process's start-up took (its compile cache: `prepare_compiler`)."""
+        return {**process_times(self.began), "seconds": dict(self.startup)}
 
     def save_compile_cache(self) -> dict[str, Any]:
         """After compiled work: save what was compiled since the last save (shared storage);

@@ -321,7 +321,7 @@ class RewardWorker:
         """The grading processes' start; no model, nothing compiled."""
         from rlinf_twoworker.workers.base import process_times
 
-        return {**process_times(self.began), "seconds": dict(self.startup), "cache": []}
+        return {**process_times(self.began), "seconds": dict(self.startup)}
 
     def save_compile_cache(self) -> dict[str, Any]:
         return {"cache": [], "compile_s": 0.0}
