@@ -17,9 +17,11 @@ Phases, in order (the components' model loads overlap one another):
                      worker_boot/ (the interpreter and Ray's worker, up to the library's
                      import) and imports/ (the component's modules)
     init/<c>:<r>     its constructor, in parts: tokenizer/ (the rollout's), load/ (the
-                     model), compiler_imports/ (torch.compile's, on GPUs), cache_load/
-                     (its compile-cache entry),
-                     engine/ (the rollout's generation engine)
+                     model), engine/ (the rollout's generation engine)
+    compiler_imports/<c>:<r>, cache_load/<c>:<r>  on GPUs, torch.compile's imports and the
+                     component's compile-cache entry (its prepare_compiler call: right after
+                     the constructor, the actor's during step 1's rollout); recorded at the
+                     end of the first step
     load/<c>:<r>     one component's model load, inside `components`
     grader_start/reward:0  the reward's grading processes started and warmed up, inside
                      `components`
