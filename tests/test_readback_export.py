@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from rlinf_twoworker import run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.storage.readback import model_state
 
 TIMEOUT = 300
@@ -61,7 +62,9 @@ def test_readback_lists_shards_and_counts_parameters(run_dir, inputs):
         f"READBACK_SHARD=actor/dcp_checkpoint/{p.name}": str(p.stat().st_size)
         for p in (run_dir / DCP).glob("*.distcp")
     }
-    assert shards == on_disk and len(shards) == 2
+    # two ranks, each shard in runner.checkpoint_write_threads files
+    threads = GRPOConfig().runner.checkpoint_write_threads
+    assert shards == on_disk and len(shards) == 2 * threads
     initial = load_file(str(inputs.model_path / "model.safetensors"))
     expected = sum(t.numel() for t in initial.values())
     assert lines_with("READBACK_PARAMETERS=", done.stdout) == [f"READBACK_PARAMETERS={expected}"]
