@@ -131,6 +131,10 @@ def test_existing_run_directory_is_never_reused(pristine, tmp_path):
         ("runner.max_steps=", r"'runner\.max_steps' = '': .*could not be converted"),
         ("runner.save_interval=0", r"'runner\.save_interval' = 0: must be -1 or >= 1"),
         ("runner.keep_last_checkpoints=-1", r"'runner\.keep_last_checkpoints' = -1"),
+        (
+            "runner.checkpoint_write_threads=0",
+            r"'runner\.checkpoint_write_threads' = 0: must be >= 1",
+        ),
         ("data.rollout_batch_size=0", r"'data\.rollout_batch_size' = 0: must be >= 1"),
     ],
 )
