@@ -135,10 +135,13 @@ def test_two_step_run_end_to_end(cluster_2x2, inputs, tmp_path):
         "checkpoints/global_step_2/data/data.pt",
     ):
         assert (run_dir / rel).is_file(), rel
-    assert (
-        len(list((run_dir / "checkpoints/global_step_2/actor/dcp_checkpoint").glob("*.distcp")))
-        == 2
+    # two ranks, each writing its shard as runner.checkpoint_write_threads files at once
+    shards = (run_dir / "checkpoints/global_step_2/actor/dcp_checkpoint").glob("*.distcp")
+    threads = cfg.runner.checkpoint_write_threads
+    assert sorted(p.name for p in shards) == sorted(
+        f"__{rank}_{i}.distcp" for rank in (0, 1) for i in range(threads)
     )
+    assert report.actor_fsdp_shards == 2
     assert verify_run(run_dir, 2, 2, write=False).passed
     assert (
         "Step limit given by max_steps=2 reached. Stopping run"
