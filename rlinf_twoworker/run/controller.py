@@ -389,8 +389,6 @@ class RunController:
                 )
         with self.clock.phase("weight_sync"):
             await sync_weights(group, self.cfg)  # rollout and inference start from the actor
-        # The actor compiles last in step 1: it prepares its compiler while the rollout runs.
-        group.start_compiler_prep(group.actors())
 
     async def _train(self) -> None:
         cfg, group, source = self.cfg, self.group, self.resume_from

@@ -57,7 +57,7 @@ class ComponentGroup:
         self.timeouts = cfg.runner.timeouts
         self.stopping = False
         self.preparing: list[tuple[Member, asyncio.Future]] = []
-        """prepare_compiler calls in flight (start_compiler_prep), awaited before step 1 ends."""
+        """prepare_compiler calls in flight (start_compiler_prep), awaited after step 1."""
 
     def start(self) -> None:
         """Create every actor (model loading starts in parallel); `wait_started` awaits them."""
@@ -83,8 +83,7 @@ class ComponentGroup:
                 member, "where", timeout=self.timeouts.actor_start_s, stage="start"
             )
             member.ready_at = time.time()
-            if not self.table[member.slot.component].trains:  # the actors': before step 1
-                self.start_compiler_prep([member])
+            self.start_compiler_prep([member])  # while the others still load
             return where
 
         members = self.all()
@@ -93,9 +92,10 @@ class ComponentGroup:
             member.where = where
 
     def start_compiler_prep(self, members: list[Member]) -> None:
-        """Ask each member that holds a model to `prepare_compiler` now, without waiting: its
-        calls run in order, so it is done before the member's next call, and the controller
-        meanwhile goes on with the others (`compilers_prepared` collects the answers)."""
+        """Ask each member that holds a model to `prepare_compiler` now, without waiting (as
+        soon as its constructor is done): its calls run in order, so it is done before the
+        member's next call, and meanwhile the others go on loading (`compilers_prepared`
+        collects the answers)."""
         for member in members:
             if self.table[member.slot.component].model_section is None:
                 continue

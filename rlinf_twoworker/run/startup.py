@@ -19,9 +19,9 @@ Phases, in order (the components' model loads overlap one another):
     init/<c>:<r>     its constructor, in parts: tokenizer/ (the rollout's), load/ (the
                      model), engine/ (the rollout's generation engine)
     compiler_imports/<c>:<r>, cache_load/<c>:<r>  on GPUs, torch.compile's imports and the
-                     component's compile-cache entry (its prepare_compiler call: right after
-                     the constructor, the actor's during step 1's rollout); recorded at the
-                     end of the first step
+                     component's compile-cache entry (its prepare_compiler call, right after
+                     its constructor, while the others still load); recorded at the end of
+                     the first step
     load/<c>:<r>     one component's model load, inside `components`
     grader_start/reward:0  the reward's grading processes started and warmed up, inside
                      `components`

@@ -150,9 +150,9 @@ class Worker:
     def prepare_compiler(self) -> dict[str, Any]:
         """On GPUs, before this process compiles anything: import torch.compile's stack
         (seconds of Python) and load this component's compile-cache entry. A call of its own,
-        made where the process would otherwise wait: right after its constructor, the actor's
-        while step 1's rollout runs (calls to one component run in order, so it is done
-        before the first compiled call). Once; returns its seconds and cache lines."""
+        made right after the constructor, while the other components still load (calls to one
+        component run in order, so it is done before its first compiled call). Once; returns
+        its seconds and cache lines."""
         if self.device.type != "cuda" or self._compiler_ready:
             return {"seconds": {}, "cache": []}
         start = time.perf_counter()
