@@ -304,3 +304,17 @@ def test_probe_on_cuda_reads_gpus_driver_and_runs_nccl(inputs):
     assert [e.split(": ")[1] for e in errors] == ["GPU count", "GPU model", "compute capability"]
     init_method = f"tcp://127.0.0.1:{probe.free_port()}"
     assert probe.all_reduce(init_method, 0, 1, "nccl", timeout_s=60) == 1.0
+
+
+@pytest.mark.parametrize("cores", [2, 16])
+def test_required_modules_are_imported_here_or_in_processes_by_the_cores(monkeypatch, cores):
+    """Under 4 cores the probe imports in its own process; with more, in processes of their
+    own, one per module where there are 4 cores each; either way a failure names the module."""
+    from rlinf_twoworker.cluster import probe
+
+    monkeypatch.setattr(probe.os, "cpu_count", lambda: cores)
+    versions, failed = probe.import_in_subprocesses(["json", "no_such_module_xyz", "omegaconf"])
+    assert set(versions) == {"json", "omegaconf"} and versions["json"]
+    assert failed == [
+        ("no_such_module_xyz", "ModuleNotFoundError: No module named 'no_such_module_xyz'")
+    ]

@@ -8,6 +8,7 @@ bundle of the placement group, holding that node's GPUs, and compares what they 
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import shutil
@@ -68,51 +69,75 @@ def _driver_versions() -> list[str]:
 _IMPORT_TIMEOUT_S = 300.0
 _IMPORT_CHECK = """
 import importlib, json, sys
-try:
-    module = importlib.import_module(sys.argv[1])
-    print(json.dumps({"version": str(getattr(module, "__version__", "ok"))}))
-except Exception as exc:
-    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+for name in sys.argv[1:]:
+    try:
+        module = importlib.import_module(name)
+        answer = {"version": str(getattr(module, "__version__", "ok"))}
+    except Exception as exc:
+        answer = {"error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps({name: answer}), flush=True)
 """
+_CORES_PER_IMPORT_PROCESS = 4
+
+
+def _import_here(names: list[str]) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    versions: dict[str, str] = {}
+    failed: list[tuple[str, str]] = []
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+            versions[name] = str(getattr(module, "__version__", "ok"))
+        except Exception as exc:  # any import failure is a finding, never a crash
+            failed.append((name, f"{type(exc).__name__}: {exc}"))
+    return versions, failed
 
 
 def import_in_subprocesses(names: list[str]) -> tuple[dict[str, str], list[tuple[str, str]]]:
-    """Import each module in a process of its own, all at once: this interpreter, its sys.path
-    (Ray's runtime_env paths included) and environment. Imports are Python work under one
-    lock per process, so threads would take them one after another. Returns {module:
-    version} and [(module, why)] for those that fail."""
+    """Import the modules in processes of their own, beside the probe: this interpreter, its
+    sys.path (Ray's runtime_env paths included) and environment. Imports are Python work
+    under one lock per process, so threads would take them one after another; one process
+    per module where the node has 4 cores for each, fewer where it has fewer (each process
+    imports torch again), in this process on a host of under 4 cores. Returns {module: version} and
+    [(module, why)] for those that fail."""
+    count = min(len(names), (os.cpu_count() or 1) // _CORES_PER_IMPORT_PROCESS)
+    if count == 0:  # a small host: here, where torch is imported once for every check
+        return _import_here(names)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, "-c", _IMPORT_CHECK, name],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
+    groups = [names[i::count] for i in range(count) if names[i::count]]
+    procs = [
+        (
+            group,
+            subprocess.Popen(
+                [sys.executable, "-c", _IMPORT_CHECK, *group],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            ),
         )
-        for name in names
-    }
-    versions: dict[str, str] = {}
-    failed: list[tuple[str, str]] = []
+        for group in groups
+    ]
+    answers: dict[str, dict[str, str]] = {}
+    why: dict[str, str] = {}
     deadline = time.monotonic() + _IMPORT_TIMEOUT_S
-    for name, proc in procs.items():
+    for group, proc in procs:
         try:
             out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.communicate()
-            failed.append((name, f"the import did not finish in {_IMPORT_TIMEOUT_S:g} s"))
-            continue
-        lines = out.strip().splitlines()
-        try:
-            answer = json.loads(lines[-1]) if lines else {}
-        except ValueError:
-            answer = {}
-        if "version" in answer:
-            versions[name] = answer["version"]
-        else:
-            last = (err.strip().splitlines() or ["no output"])[-1]
-            failed.append((name, answer.get("error") or f"exit {proc.returncode}: {last}"))
+            out, err = proc.communicate()
+            for name in group:
+                why[name] = f"the import did not finish in {_IMPORT_TIMEOUT_S:g} s"
+        for line in out.splitlines():
+            try:
+                answers.update(json.loads(line))
+            except (ValueError, TypeError):
+                pass  # a module's own output
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        for name in group:
+            why.setdefault(name, f"exit {proc.returncode}: {last}")
+    versions = {n: answers[n]["version"] for n in names if "version" in answers.get(n, {})}
+    failed = [(n, answers.get(n, {}).get("error") or why[n]) for n in names if n not in versions]
     return versions, failed
 
 
