@@ -97,8 +97,8 @@ def import_in_subprocesses(names: list[str]) -> tuple[dict[str, str], list[tuple
     sys.path (Ray's runtime_env paths included) and environment. Imports are Python work
     under one lock per process, so threads would take them one after another; one process
     per module where the node has 4 cores for each, fewer where it has fewer (each process
-    imports torch again), in this process on a host of under 4 cores. Returns {module: version} and
-    [(module, why)] for those that fail."""
+    imports torch again), in this process on a host of under 4 cores. Returns {module:
+    version} and [(module, why)] for those that fail."""
     count = min(len(names), (os.cpu_count() or 1) // _CORES_PER_IMPORT_PROCESS)
     if count == 0:  # a small host: here, where torch is imported once for every check
         return _import_here(names)

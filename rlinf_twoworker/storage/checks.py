@@ -283,7 +283,8 @@ def check_checkpoint(run_dir: Path, report: VerificationReport, expected: Expect
     # One shard per FSDP actor rank: two in the tutorial's placement ("2-3").
     min_shards = _actor_ranks(expected.placement)
     errors = []
-    if not metadata.is_file() or metadata.stat().st_size == 0:
+    metadata_written = metadata.is_file() and metadata.stat().st_size > 0
+    if not metadata_written:
         errors.append(
             f"{metadata} is missing or empty; the sharded actor checkpoint is incomplete and "
             "cannot be loaded: the save did not finish"
@@ -295,7 +296,7 @@ def check_checkpoint(run_dir: Path, report: VerificationReport, expected: Expect
             f"rank(s) (files: {[p.name for p in shards]}); a run with {min_shards} FSDP actor "
             f"ranks writes a shard for each: a rank did not save"
         )
-    if metadata.is_file() and metadata.stat().st_size > 0:
+    if metadata_written:
         # Every file the .metadata names, present and long enough (a shard spans files).
         shard_problems += dcp_problems(dcp_dir)
     if shard_problems:
