@@ -32,6 +32,10 @@ class Component:
     """Ray max_concurrency of its actor (the reward grades several answers at once)."""
     model_section: str | None = None
     """The config section whose model.model_path it loads (the preflight checks those)."""
+    prepare: str = "prepare_compiler"
+    """Its method the run calls right after its constructor, without waiting, while the others
+    still load (the compiler's imports and cache; the reward's grading processes); awaited
+    after the first step, whose calls it precedes."""
     needed: Callable[[GRPOConfig], bool] | None = None
     """None: every run has it; else whether this config needs it."""
     default_placement: str | None = None
@@ -57,7 +61,12 @@ TABLE: tuple[Component, ...] = (
         receives_weights=True,
         model_section="rollout",
     ),
-    Component("reward", "rlinf_twoworker.workers.reward:RewardWorker", concurrency=4),
+    Component(
+        "reward",
+        "rlinf_twoworker.workers.reward:RewardWorker",
+        concurrency=4,
+        prepare="warm_up_grader",
+    ),
     Component(
         "inference",
         "rlinf_twoworker.workers.inference:InferenceWorker",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -313,8 +314,34 @@ def test_required_modules_are_imported_here_or_in_processes_by_the_cores(monkeyp
     from rlinf_twoworker.cluster import probe
 
     monkeypatch.setattr(probe.os, "cpu_count", lambda: cores)
-    versions, failed = probe.import_in_subprocesses(["json", "no_such_module_xyz", "omegaconf"])
-    assert set(versions) == {"json", "omegaconf"} and versions["json"]
+    for name in ("colorsys", "wave"):  # not imported here yet, whichever test ran before
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    versions, failed = probe.import_in_subprocesses(["colorsys", "no_such_module_xyz", "wave"])
+    assert set(versions) == {"colorsys", "wave"} and versions["wave"]
     assert failed == [
         ("no_such_module_xyz", "ModuleNotFoundError: No module named 'no_such_module_xyz'")
     ]
+    # Imported in their own processes on the larger host, here on the small one.
+    assert ("wave" in sys.modules) == (cores < 4)
+
+
+def test_modules_this_process_imported_already_are_not_imported_again(monkeypatch):
+    """A worker that preloaded the library answers for what it imported without a process;
+    the rest still goes to processes of their own on a large host."""
+    from rlinf_twoworker.cluster import probe
+
+    monkeypatch.setattr(probe.os, "cpu_count", lambda: 16)
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    started: list[list[str]] = []
+    popen = subprocess.Popen
+
+    def spy(argv, **kwargs):
+        started.append(argv[3:])
+        return popen(argv, **kwargs)
+
+    monkeypatch.setattr(probe.subprocess, "Popen", spy)
+    versions, failed = probe.import_in_subprocesses(["json", "omegaconf", "colorsys"])
+    assert set(versions) == {"json", "omegaconf", "colorsys"} and failed == []
+    assert started == [["colorsys"]]
+    started.clear()
+    assert probe.import_in_subprocesses(["json", "omegaconf"])[1] == [] and started == []

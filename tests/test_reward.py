@@ -120,3 +120,16 @@ def test_warm_up_starts_every_grading_process_before_the_first_step():
         pids = {w.process.pid for w in grader._workers}
         assert grader.score(["\\boxed{2}"], [["2"]]) == [5.0]
         assert {w.process.pid for w in grader._workers} == pids  # the same processes grade
+
+
+def test_a_score_during_the_warm_up_waits_for_it_and_keeps_its_own_stats():
+    """The run warms the grader up in a call of its own while step 1 may already score."""
+    with MathReward(num_workers=2, timeout_s=30.0) as grader:
+        warming = threading.Thread(target=grader.warm_up)
+        warming.start()
+        assert grader.score(["\\boxed{2}", "\\boxed{3}"], [["2"], ["4"]]) == [5.0, -5.0]
+        stats = dict(grader.last_stats)
+        warming.join(timeout=120)
+        assert not warming.is_alive()
+        assert (stats["correct"], stats["wrong"], stats["errors"]) == (1, 1, 0)
+        assert len(grader._workers) == 2 and all(w.ready for w in grader._workers)

@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import Any
 
 LOOPBACK = "127.0.0.1"
+PRELOAD_MODULE = "rlinf_twoworker.preload"
 # Ray picks the address its processes bind to from this switch at import time; with it off,
 # every node and the Driver use loopback instead of the machine's external address.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -69,6 +70,7 @@ class LocalCluster:
         cpus_per_node: int = 4,
         connect: bool = True,
         object_store_mb: int = 150,
+        preload: bool = False,
     ) -> None:
         if num_nodes < 1 or gpus_per_node < 1:
             raise ValueError(
@@ -77,6 +79,7 @@ class LocalCluster:
             )
         self.num_nodes, self.gpus_per_node = num_nodes, gpus_per_node
         self.cpus_per_node, self.connect = cpus_per_node, connect
+        self.preload = preload
         self.object_store_bytes = object_store_mb * 1024 * 1024
         self.real_gpus = visible_cuda_gpus() >= num_nodes * gpus_per_node
         self._cluster: Any = None  # ray.cluster_utils.Cluster once started
@@ -119,6 +122,11 @@ class LocalCluster:
         # Short: Ray's unix socket paths live under it and must stay under ~100 characters.
         self._temp_dir = tempfile.mkdtemp(prefix="rlinf-ray-", dir="/tmp")
         head = dict(self._node_args(0), include_dashboard=False, dashboard_host=LOOPBACK)
+        if self.preload:  # cluster-wide: every node's raylet reads it from the head
+            head["_system_config"] = {
+                "preload_python_modules": [PRELOAD_MODULE],
+                "enable_worker_prestart": True,
+            }
         with _host_address_untouched():
             cluster = Cluster(initialize_head=True, head_node_args=head)
             self._cluster = cluster

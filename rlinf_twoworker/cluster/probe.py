@@ -97,10 +97,16 @@ def import_in_subprocesses(names: list[str]) -> tuple[dict[str, str], list[tuple
     sys.path (Ray's runtime_env paths included) and environment. Imports are Python work
     under one lock per process, so threads would take them one after another; one process
     per module where the node has 4 cores for each, fewer where it has fewer (each process
-    imports torch again), in this process on a host of under 4 cores. Returns {module:
-    version} and [(module, why)] for those that fail."""
+    imports torch again), in this process on a host of under 4 cores, and here too those this
+    process imported already. Returns {module: version} and [(module, why)] for those that
+    fail."""
+    # Imported in this worker already (a node that preloads the library): they import here.
+    done = [n for n in names if n in sys.modules]
+    if done:
+        versions, failed = import_in_subprocesses([n for n in names if n not in sys.modules])
+        return {**_import_here(done)[0], **versions}, failed
     count = min(len(names), (os.cpu_count() or 1) // _CORES_PER_IMPORT_PROCESS)
-    if count == 0:  # a small host: here, where torch is imported once for every check
+    if count == 0 or not names:  # a small host: here, where torch is imported once for all
         return _import_here(names)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     groups = [names[i::count] for i in range(count) if names[i::count]]

@@ -428,7 +428,7 @@ class RunController:
                     group, cfg, step, prompts, [samples[i].solutions for i in indices]
                 )
                 if first:  # done before the step's compiled calls; recorded now
-                    await lifecycle.compilers_prepared(group, self.clock, self.log)
+                    await lifecycle.prepared(group, self.clock, self.log)
                 if cfg.compile_cache_root is not None and cfg.cluster.accelerator == "cuda":
                     await lifecycle.after_compiled_step(group, cfg, self.clock, self.log, first)
                 if first:

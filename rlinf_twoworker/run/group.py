@@ -57,7 +57,7 @@ class ComponentGroup:
         self.timeouts = cfg.runner.timeouts
         self.stopping = False
         self.preparing: list[tuple[Member, asyncio.Future]] = []
-        """prepare_compiler calls in flight (start_compiler_prep), awaited after step 1."""
+        """Preparation calls in flight (start_preparing), awaited after step 1."""
 
     def start(self) -> None:
         """Create every actor (model loading starts in parallel); `wait_started` awaits them."""
@@ -83,7 +83,7 @@ class ComponentGroup:
                 member, "where", timeout=self.timeouts.actor_start_s, stage="start"
             )
             member.ready_at = time.time()
-            self.start_compiler_prep([member])  # while the others still load
+            self.start_preparing([member])  # while the others still load
             return where
 
         members = self.all()
@@ -91,26 +91,24 @@ class ComponentGroup:
         for member, where in zip(members, wheres):
             member.where = where
 
-    def start_compiler_prep(self, members: list[Member]) -> None:
-        """Ask each member that holds a model to `prepare_compiler` now, without waiting (as
-        soon as its constructor is done): its calls run in order, so it is done before the
-        member's next call, and meanwhile the others go on loading (`compilers_prepared`
-        collects the answers)."""
+    def start_preparing(self, members: list[Member]) -> None:
+        """Make each member's preparation call (components.Component.prepare: the compiler's
+        imports and cache, the reward's grading processes) now, without waiting, as soon as
+        its constructor is done: it is done before the member's first call of the step that
+        needs it, and meanwhile the others go on loading (`prepared` collects the answers)."""
         for member in members:
-            if self.table[member.slot.component].model_section is None:
-                continue
             call = self.call(
                 member,
-                "prepare_compiler",
+                self.table[member.slot.component].prepare,
                 timeout=self.timeouts.actor_start_s,
-                stage="compiler preparation",
+                stage="preparation",
             )
             task = asyncio.ensure_future(call)
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read later
             self.preparing.append((member, task))
 
-    async def compilers_prepared(self) -> list[tuple[Member, Any]]:
-        """The answers of every prepare_compiler started so far (a failure raises)."""
+    async def prepared(self) -> list[tuple[Member, Any]]:
+        """The answers of every preparation started so far (a failure raises)."""
         started, self.preparing = self.preparing, []
         answers = await gather_fail_fast([task for _, task in started])
         return [(member, answer) for (member, _), answer in zip(started, answers)]

@@ -56,7 +56,7 @@ async def log_startup(
 ) -> None:
     """Each component's start-up into the record: spawn (the controller's request, at wall
     clock `began`, to the constructor's first line), init (the constructor), its model load
-    (its compile cache is reported by `compilers_prepared`)."""
+    (its preparation, the compile cache's and the reward's, is reported by `prepared`)."""
     answers = await _ask_all(
         group, "startup_report", cfg.runner.timeouts.actor_start_s, "start-up report"
     )
@@ -71,6 +71,12 @@ async def log_startup(
                 clock.record(f"init/{who}", member.ready_at - report["began"])
         for part, seconds in report["seconds"].items():  # load, grader_start
             clock.record(f"{part}/{who}", seconds)
+    preloaded = [f"{m.slot.component}:{m.slot.rank}" for m, r in answers if r.get("preloaded")]
+    if preloaded:
+        log.detail(
+            f"STARTUP preloaded workers (rlinf_twoworker.preload): {', '.join(preloaded)} of "
+            f"{len(answers)} components"
+        )
 
 
 def spawn_parts(report: dict[str, Any], requested: float) -> dict[str, float]:
@@ -90,10 +96,11 @@ def spawn_parts(report: dict[str, Any], requested: float) -> dict[str, float]:
     }
 
 
-async def compilers_prepared(group: ComponentGroup, clock: StartupClock, log: RunLog) -> None:
-    """Wait for every component's `prepare_compiler` (started by the group); record its
-    seconds (compiler_imports/<c>:<r>, cache_load/<c>:<r>) and log its cache lines."""
-    for member, answer in await group.compilers_prepared():
+async def prepared(group: ComponentGroup, clock: StartupClock, log: RunLog) -> None:
+    """Wait for every component's preparation (started by the group); record its seconds
+    (compiler_imports/<c>:<r>, cache_load/<c>:<r>, grader_start/reward:<r>) and log its
+    cache lines."""
+    for member, answer in await group.prepared():
         who = f"{member.slot.component}:{member.slot.rank}"
         for part, seconds in answer["seconds"].items():
             clock.record(f"{part}/{who}", seconds)

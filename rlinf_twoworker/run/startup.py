@@ -23,8 +23,9 @@ Phases, in order (the components' model loads overlap one another):
                      its constructor, while the others still load); recorded at the end of
                      the first step
     load/<c>:<r>     one component's model load, inside `components`
-    grader_start/reward:0  the reward's grading processes started and warmed up, inside
-                     `components`
+    grader_start/reward:0  the reward's grading processes started and warmed up (its
+                     warm_up_grader call, right after its constructor, while the others
+                     still load); recorded at the end of the first step
     process_groups   the run's process group and sub-groups
     actor_build      FSDP sharding and the optimiser
     weight_sync      the first sync (rollout and inference start from the actor's weights)

@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import socket
+import sys
 import time
 from typing import Any
 
@@ -88,8 +89,6 @@ class _Tee:
 def attach_log(path: str, component: str, rank: int) -> None:
     """runner.per_worker_log: this process's prints, warnings and log records also go to
     `path` (log/<component>-<rank>.log in the run directory)."""
-    import sys
-
     log = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (lives with the process)
     sys.stdout = _Tee(sys.stdout, log)
     sys.stderr = _Tee(sys.stderr, log)  # warnings print here too
@@ -103,9 +102,10 @@ def attach_log(path: str, component: str, rank: int) -> None:
     logging.getLogger("rlinf_twoworker").info(f"{component} rank {rank} logs to {path}")
 
 
-def process_times(began: float) -> dict[str, float | None]:
+def process_times(began: float) -> dict[str, Any]:
     """Wall-clock marks of this process's start: created (by Ray's worker pool), imported
-    (the library's first import) and began (the component's constructor)."""
+    (the library's first import) and began (the component's constructor); preloaded: whether
+    Ray's worker imported rlinf_twoworker.preload before it took the component."""
     import rlinf_twoworker
 
     try:
@@ -114,7 +114,12 @@ def process_times(began: float) -> dict[str, float | None]:
         created: float | None = psutil.Process().create_time()
     except Exception:  # psutil comes with ray[default]; without it the split is unknown
         created = None
-    return {"created": created, "imported": rlinf_twoworker._imported_at, "began": began}
+    return {
+        "created": created,
+        "imported": rlinf_twoworker._imported_at,
+        "began": began,
+        "preloaded": "rlinf_twoworker.preload" in sys.modules,
+    }
 
 
 class Worker:

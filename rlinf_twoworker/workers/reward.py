@@ -160,11 +160,12 @@ class MathReward:
 
     def warm_up(self) -> None:
         """Start every grading process and grade one trivial answer in each (math_verify's
-        import), so the run's first step does not wait for them."""
-        self.score(["0"] * self.num_workers, [["0"]] * self.num_workers)
-        self.last_stats = {}
-        with self._lock:  # the ones that got no answer may still be importing: wait for them
+        import), so the run's first step does not wait for them. Under the lock throughout:
+        a score() meanwhile waits, and its stats are never this warm-up's."""
+        with self._lock:
+            self._grade_all([("0", ["0"])] * self.num_workers)
             counts = {"timed_out": 0, "errors": 0}
+            # The ones that got no answer may still be importing: wait for them.
             while any(not w.ready for w in self._workers):
                 self._collect([], counts)
                 self._reap_overdue(counts)
@@ -284,9 +285,14 @@ class RewardWorker:
         self.began = time.time()  # the process started and imported its worker module
         self.grader = MathReward(cfg.reward.reward_scale, cfg.reward.timeout_s)
         self.rank = rank
+
+    async def warm_up_grader(self) -> dict[str, Any]:
+        """Start the grading processes and wait for each to answer: the run's call right after
+        the constructor (components.Component.prepare), while the others load their models
+        and step 1 generates; a score() meanwhile waits for it (the grader's lock)."""
         start = time.perf_counter()
-        self.grader.warm_up()  # while the other components load their models
-        self.startup = {"grader_start": time.perf_counter() - start}
+        await asyncio.to_thread(self.grader.warm_up)
+        return {"seconds": {"grader_start": time.perf_counter() - start}, "cache": []}
 
     async def score(self, answers: list[str], solutions: list[list[str]]) -> Graded:
         from rlinf_twoworker.messages import Graded
@@ -318,10 +324,10 @@ class RewardWorker:
         return process_memory(None)
 
     def startup_report(self) -> dict[str, Any]:
-        """The grading processes' start; no model, nothing compiled."""
+        """The process's start (its grading processes': warm_up_grader); no model."""
         from rlinf_twoworker.workers.base import process_times
 
-        return {**process_times(self.began), "seconds": dict(self.startup)}
+        return {**process_times(self.began), "seconds": {}}
 
     def save_compile_cache(self) -> dict[str, Any]:
         return {"cache": [], "compile_s": 0.0}

@@ -1,0 +1,77 @@
+"""rlinf_twoworker.preload: Ray's idle workers import the library ahead of a run, on every node,
+without touching CUDA, and hand a GPU actor its own GPUs afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Runs in a process of its own: this test session's process is connected to its own cluster.
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import ray
+    from rlinf_twoworker.cluster.local import LocalCluster
+
+    @ray.remote(num_gpus=1, num_cpus=0)
+    class Probe:
+        def __init__(self):
+            self.constructed = time.time()
+
+        def report(self):
+            import rlinf_twoworker.preload as preload
+            from rlinf_twoworker.workers.base import process_times
+
+            return {
+                "node": ray.get_runtime_context().get_node_id(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "cuda_untouched": preload.cuda_untouched(),
+                "preloaded_before_work": preload._began < self.constructed,
+                "transformers_loaded": "transformers.modeling_utils" in sys.modules,
+                "process_times_preloaded": process_times(time.time())["preloaded"],
+            }
+
+    with LocalCluster(num_nodes=2, gpus_per_node=1, cpus_per_node=1, preload=True):
+        probes = [
+            Probe.options(resources={f"local_node_{i}": 0.01}).remote() for i in range(2)
+        ]
+        print(json.dumps(ray.get([p.report.remote() for p in probes], timeout=300)))
+    """
+)
+
+
+def test_idle_workers_of_every_node_preload_the_library_and_leave_cuda_alone():
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len({r["node"] for r in reports}) == 2  # one on each node
+    for report in reports:
+        # Ray's workers import it when they start (those it starts ahead of a job, on every
+        # node here, while they idle; when they start is Ray's) before taking any work.
+        assert report["preloaded_before_work"], report
+        assert report["transformers_loaded"] and report["process_times_preloaded"], report
+        assert report["cuda_untouched"], report
+        assert report["cuda_visible_devices"] == "0", report  # Ray's GPU for the actor
+
+
+def test_preload_imports_cleanly_without_touching_cuda():
+    code = (
+        "import rlinf_twoworker.preload as p, torch, sys; "
+        "assert p.cuda_untouched(); "
+        "assert 'rlinf_twoworker.workers.actor' in sys.modules; "
+        "assert 'transformers.modeling_utils' in sys.modules; print('ok')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
