@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the layers")
     parser.add_argument("--threads", default="1,4,8")
     parser.add_argument("--staged-threads", type=int, default=8)
+    parser.add_argument("--staged", default="pageable,pinned,reused", help="staged variants")
     args = parser.parse_args()
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -86,7 +87,7 @@ def main() -> None:
     size = sum(t.numel() * t.element_size() for t in sd.values())
     out["state_gb"] = round(size / 1e9, 2)
     out["dcp"] = {}
-    for threads in [int(t) for t in args.threads.split(",")]:
+    for threads in [int(t) for t in args.threads.split(",") if t]:
         path = root / f"dcp-{threads}"
         if device == "cuda":
             torch.cuda.synchronize()
@@ -103,15 +104,17 @@ def main() -> None:
         shutil.rmtree(path)
         print(json.dumps(out), flush=True)
     if device == "cuda":
-        for pinned in (False, True):
+        variants = args.staged.split(",")
+        for pinned in [p for p in (False, True) if ("pinned" if p else "pageable") in variants]:
             out["dcp"][f"staged_{'pinned' if pinned else 'pageable'}"] = staged(
                 sd, root / "dcp-staged", args.staged_threads, pinned, size
             )
             print(json.dumps(out), flush=True)
-        out["dcp"]["staged_pinned_reused"] = staged_reused(
-            sd, root / "dcp-staged", args.staged_threads, size
-        )
-        print(json.dumps(out), flush=True)
+        if "reused" in variants:
+            out["dcp"]["staged_pinned_reused"] = staged_reused(
+                sd, root / "dcp-staged", args.staged_threads, size
+            )
+            print(json.dumps(out), flush=True)
     print(json.dumps(out, indent=2))
 
 
