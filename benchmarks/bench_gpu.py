@@ -685,6 +685,11 @@ def _tutorial_job(
         "memory_plan_vs_measured": plan_vs_measured(root / "runs" / run_id, [first, *later]),
         "gpu_used_peak_gib_nvidia_smi": gpu_used.peak_gib(),
         "gpu_used_before_run_gib_nvidia_smi": gpu_used.baseline,
+        "checkpoint_write_lines": [
+            line.split("CHECKPOINT_WRITE", 1)[1].strip()
+            for line in main_log.splitlines()
+            if "CHECKPOINT_WRITE" in line
+        ],
         "compile_cache_lines": [
             line.split("COMPILE_CACHE", 1)[1].strip()
             for line in main_log.splitlines()

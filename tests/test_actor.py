@@ -186,3 +186,53 @@ def test_lr_schedules_follow_rlinfs_fsdp_keys(world):
     # cosine over max_steps x n_minibatches = 8 steps, down to min_lr 0: halfway is lr / 2
     cosine = lrs(["actor.optim.lr_scheduler=cosine"], 5)
     assert cosine[0] == pytest.approx(2e-5) and cosine[4] == pytest.approx(1e-5)
+
+
+def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(world, tmp_path):
+    """runner.checkpoint_staging's path, on the CPU: the state copied into the run's buffers
+    (FSDP2 DTensor shards rebuilt over them) and written by DCP from there restores the same
+    weights and AdamW moments; a second checkpoint reuses the same buffers."""
+    from rlinf_twoworker.engines import staging
+
+    inputs, root = world
+    cfg = to_typed(demo_config(inputs, str(root / "runs"), "staging-test", ONE_MINIBATCH))
+    actor = ActorWorker(cfg, 0)
+    actor.actor_group = dist.group.WORLD
+    actor.build()
+    assert actor.staging is None  # on GPUs only, where the copy sets the checkpoint's pace
+    actor.train_step([_shard(cfg)])
+    actor.staging = buffers = staging.for_model(actor.model, copies=3, pin=False)
+    buffers.start()
+    assert buffers.wait(timeout=60) and buffers.error is None
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        out = {n: p.detach().full_tensor().clone() for n, p in actor.model.named_parameters()}
+        for p, state in actor.optimizer.state.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{id(p)}.{key}"] = state[key].full_tensor().clone()
+        return out
+
+    trained = snapshot()
+    answer = actor.save_checkpoint(str(tmp_path / "first"))
+    params = len(list(actor.model.parameters()))
+    # Every weight and moment went through a buffer; only AdamW's step scalars and the rank's
+    # RNG state (small) were copied to fresh memory.
+    scalars = sum(1 for s in actor.optimizer.state.values() for v in s.values() if v.dim() == 0)
+    assert answer["staging_misses"] == scalars + 1
+    assert sum(len(free) for free in buffers._pool.values()) == 3 * params  # all given back
+    pointers = {b.data_ptr() for free in buffers._pool.values() for b in free}
+    staged, taken = buffers.stage(actor._state())
+    assert {b.data_ptr() for b in taken} == pointers  # the same buffers, every time
+    buffers.release(taken)
+    with torch.no_grad():
+        for p in actor.model.parameters():
+            p.zero_()
+        for state in actor.optimizer.state.values():
+            state["exp_avg"].zero_()
+            state["exp_avg_sq"].zero_()
+    actor.load_checkpoint(str(tmp_path / "first"))
+    restored = snapshot()
+    assert restored.keys() == trained.keys()
+    for name, tensor in trained.items():
+        assert torch.equal(restored[name], tensor), name
+    assert any(t.abs().sum() > 0 for t in trained.values())  # a real state, not zeros

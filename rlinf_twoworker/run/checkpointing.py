@@ -39,21 +39,34 @@ if TYPE_CHECKING:
 
 
 async def save(
-    group: ComponentGroup, cfg: GRPOConfig, run_dir: Path, step: int, data_state: dict[str, Any]
+    group: ComponentGroup,
+    cfg: GRPOConfig,
+    run_dir: Path,
+    step: int,
+    data_state: dict[str, Any],
+    log: RunLog | None = None,
 ) -> CheckpointInfo:
     """All actor ranks write their DCP shards, then data.pt, then the rename makes it final.
-    The file work runs off the event loop: the controller answers meanwhile."""
+    The file work runs off the event loop: the controller answers meanwhile. Each rank's
+    write (its seconds, and with runner.checkpoint_staging the staging's) goes to `log`."""
     staging = staging_checkpoint_dir(run_dir, step)
     final = checkpoint_dir(run_dir, step)
     await asyncio.to_thread(_fresh_staging, staging)
     try:
-        await group.call_each(
+        answers = await group.call_each(
             group.actors(),
             "save_checkpoint",
             str(staging / DCP_SUBDIR),
             timeout=cfg.runner.timeouts.checkpoint_s,
             stage=f"checkpoint {step}",
         )
+        for member, answer in zip(group.actors(), answers):
+            if log is not None and isinstance(answer, dict):
+                parts = " ".join(
+                    f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in answer.items()
+                )
+                log.detail(f"CHECKPOINT_WRITE step={step} actor:{member.slot.rank} {parts}")
         await asyncio.to_thread(_complete, cfg, staging, final, data_state)
     except BaseException:
         if full_storage(staging) is not None:  # never complete: give its space back

@@ -457,6 +457,7 @@ class RunController:
                         self.run_dir,
                         step,
                         {"sampler": sampler.state_dict(), "step": step},
+                        self.log,
                     )
                     self.log.info(f"CHECKPOINT step={step} dir={info.directory}")
                     self._checkpoint_future(step).set(info)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import math
+import socket
 import time
 import warnings
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ import torch.distributed as dist
 
 from rlinf_twoworker.algorithm import PolicyLoss, ppo_loss
 from rlinf_twoworker.config import AlgorithmConfig, GRPOConfig
+from rlinf_twoworker.engines import staging
 from rlinf_twoworker.engines.models import (
     SequenceBatch,
     compile_layers,
@@ -29,6 +32,7 @@ from rlinf_twoworker.engines.models import (
     run_or_eager,
 )
 from rlinf_twoworker.engines.offload import ActorOffload
+from rlinf_twoworker.engines.staging import StagingBuffers
 from rlinf_twoworker.engines.weight_sync import export_weights, send_weights
 from rlinf_twoworker.messages import ActorShard, TrainStats
 from rlinf_twoworker.storage import checkpoints
@@ -142,6 +146,7 @@ class ActorWorker(Worker):
         self._exported: list[torch.Tensor] = []
         self.lr_used = 0.0  # the lr of the latest optimiser step
         self.compiled = False  # compiled decoder layers and log-softmax (set by `build`)
+        self.staging: StagingBuffers | None = None  # runner.checkpoint_staging (by `build`)
         # Loaded now, while the other components load theirs; sharded by `build`, which needs
         # the actor group.
         self.dtype = dtype_for(cfg.actor.model.precision, self.device)
@@ -179,6 +184,32 @@ class ActorWorker(Worker):
         self.offloader = ActorOffload(model, self.optimizer, self.device)
         if cfg.offloads:
             self.offloader.offload()
+        self.staging = self._start_staging()
+
+    def _start_staging(self) -> StagingBuffers | None:
+        """runner.checkpoint_staging: host buffers for this rank's checkpoint shard, allocated
+        in a thread from now on (while step 1 runs); None where it does not apply."""
+        cfg, log = self.cfg, logging.getLogger("rlinf_twoworker")
+        if not cfg.runner.checkpoint_staging or self.device.type != "cuda":
+            return None
+        if cfg.offloads or cfg.runner.save_interval <= 0:
+            return None  # the state lives in CPU memory already / nothing to write
+        import psutil
+
+        buffers = staging.for_model(self.model, copies=3, pin=True)  # weights, 2 moments
+
+        available = psutil.virtual_memory().available
+        if buffers.bytes > available / 2:
+            log.warning(
+                f"actor rank {self.rank} on {socket.gethostname()}: runner.checkpoint_staging "
+                f"skipped: its buffers need {buffers.bytes / 2**30:.1f} GiB of pinned host "
+                f"memory, over half of the {available / 2**30:.1f} GiB available; checkpoints "
+                "copy from the GPU as they write (set runner.checkpoint_staging=false to "
+                "silence this)"
+            )
+            return None
+        buffers.start()
+        return buffers
 
     def _minibatch(self, shard: ActorShard, first: bool) -> dict[str, float]:
         """One optimiser step on this rank's share of a minibatch. `first`: also measure the
@@ -395,7 +426,22 @@ class ActorWorker(Worker):
         import torch.distributed.checkpoint as dcp
 
         start = time.perf_counter()
+        out: dict[str, Any] = {}
         with self._on_device():
+            state: Any = self._state()
+            taken: list[torch.Tensor] = []
+            if self.staging is not None:  # copied into the run's host buffers, written from there
+                waited = time.perf_counter()
+                state, taken = self.staging.stage(state)
+                out.update(
+                    staging_alloc_s=self.staging.seconds,
+                    staging_wait_and_copy_s=time.perf_counter() - waited,
+                    staging_misses=self.staging.misses,
+                )
+                if self.staging.error is not None:
+                    out["staging_error"] = (
+                        f"{type(self.staging.error).__name__}: {self.staging.error}"
+                    )
             try:
                 Path(path).mkdir(parents=True, exist_ok=True)
                 # Several files a rank, written at once: storage that limits each stream
@@ -403,13 +449,16 @@ class ActorWorker(Worker):
                 writer = dcp.FileSystemWriter(
                     path, thread_count=self.cfg.runner.checkpoint_write_threads
                 )
-                dcp.save(self._state(), storage_writer=writer, process_group=self.actor_group)
+                dcp.save(state, storage_writer=writer, process_group=self.actor_group)
             except BaseException as exc:  # DCP's CheckpointException is a BaseException
                 error = checkpoints.write_error(path, exc)
                 if error is exc:
                     raise
                 raise error from exc
-        return {"seconds": time.perf_counter() - start}
+            finally:
+                if self.staging is not None:
+                    self.staging.release(taken)
+        return {"seconds": time.perf_counter() - start, **out}
 
     def load_checkpoint(self, path: str) -> None:
         """Restore model, optimiser, lr schedule and this rank's RNG from a DCP checkpoint."""
