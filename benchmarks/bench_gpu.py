@@ -804,7 +804,7 @@ def time_to_result_table(results: dict) -> str:
             preloaded.get("job_to_verification_s"),
             "job_to_verification_warm_s",
         ),
-        ("later step, defaults", warm.get("step2_s"), "later_step_defaults_s"),
+        ("later step, defaults", (warm or preloaded).get("step2_s"), "later_step_defaults_s"),
     ]
     trl = _trl_cells(results.get("trl", {}))
     trl_bare = _trl_cells(results.get("trl_no_ckpt", {}))
