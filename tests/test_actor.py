@@ -201,7 +201,7 @@ def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(world, t
     actor.build()
     assert actor.staging is None  # on GPUs only, where the copy sets the checkpoint's pace
     actor.train_step([_shard(cfg)])
-    actor.staging = buffers = staging.for_model(actor.model, copies=3, pin=False)
+    actor.staging = buffers = staging.for_model(actor.model, copies=3)
     buffers.start()
     assert buffers.wait(timeout=60) and buffers.error is None
 

@@ -179,13 +179,13 @@ class RunnerConfig:
     Storage that limits each stream (network file systems, cloud disks) writes several streams
     faster than one; 1 writes RLinf's one file per rank."""
     checkpoint_staging: bool = True
-    """On GPUs, each actor rank allocates pinned host buffers for its checkpoint shard (fp32
-    weights and AdamW's two moments) once, in the background, as soon as it is built, and every
-    checkpoint copies its state into them (one fast pass) and writes from there at the disk's
-    rate. Costs that much host memory for the run (21.3 GB a rank for the 1.5B model on one
-    rank); skipped, with a note in the actor's log, when it would take over half of the node's
-    available memory, with actor.enable_offload, and when no checkpoint is scheduled. false:
-    DCP copies each tensor from the GPU as it writes (slower, no memory held)."""
+    """On GPUs, each actor rank keeps host-memory buffers for its checkpoint shard (fp32 weights
+    and AdamW's two moments), allocated once, in the background, as soon as it is built; every
+    checkpoint copies its state into them in one pass and writes from there at the storage's
+    rate. Holds that much host memory for the run (21.3 GB a rank for the 1.5B model on one
+    rank); skipped, with a warning in the actor's log, when it would take over half of the
+    node's available memory, with actor.enable_offload, and when no checkpoint is scheduled.
+    false: DCP copies each tensor from the GPU as it writes (slower, no memory held)."""
     save_full_weights: bool = False
     """Also write a full-model Hugging Face copy of each checkpoint (actor/huggingface/), as
     `rlinf-twoworker export-hf` would; off by default (the tutorial saves only the shards)."""

@@ -1,11 +1,18 @@
 """Checkpoint staging: host buffers for the actor's state, allocated once, in the background.
 
 A checkpoint written straight from the GPU copies each tensor to fresh CPU memory inside DCP's
-write threads; on the H200 that copy, not the disk, set the pace (21.3 GB: 19-22 s with 8
-streams, against ~10-12 s for the same bytes written from CPU memory). Pinned buffers make the
-copy one fast pass (0.39 s for 21.3 GB), but allocating them takes as long as the copy they
-save (12 s), so they are allocated once, in a thread, as soon as the actor is built, while
-step 1 runs, and reused by every checkpoint of the run (`runner.checkpoint_staging`).
+write threads; on the H200 that copying, not the disk, set the pace (the 1.5B actor's 21.3 GB:
+19-22 s with 8 streams, against 9-12 s for the same bytes written from CPU memory). So each
+actor rank keeps buffers for its state in host memory for the run: allocated and touched in a
+thread as soon as the actor is built, and reused by every checkpoint
+(`runner.checkpoint_staging`), which copies its state into them and writes from there.
+
+The buffers are ordinary (pageable) memory, touched ahead so the copy meets no page faults:
+the GPU copies into them at 13.5 GB/s, and making them (0.9 s for 8 GiB, on the CPU) leaves the
+process's GPU work alone. Pinned buffers copy at 55 GB/s, but pinning holds the CUDA driver
+against the process's other GPU calls while it runs: 12 s for 21.3 GB, during which the
+actor's weight sync took 7.1-12.6 s instead of 0.4 s (`benchmarks/probe_staging.py`,
+RESULTS.md session 11).
 
 Buffers are matched to the state's tensors by local shape and dtype: a model's parameters'
 shards and, for AdamW, two moments of the same shapes. A tensor without a matching buffer is
@@ -26,12 +33,12 @@ Key = tuple[tuple[int, ...], torch.dtype]
 
 
 class StagingBuffers:
-    """Host buffers for `copies` tensors of each of `shapes`, allocated by `start()` in a
-    thread; `stage(state)` copies a state dict into them and `release` hands them back."""
+    """Host buffers for `copies` tensors of each of `shapes`, allocated and touched by
+    `start()` in a thread; `stage(state)` copies a state dict into them and `release` hands
+    them back."""
 
-    def __init__(self, shapes: Iterable[Key], copies: int, pin: bool) -> None:
+    def __init__(self, shapes: Iterable[Key], copies: int) -> None:
         self.wanted = [key for key in shapes for _ in range(copies)]
-        self.pin = pin
         self.bytes = sum(
             _numel(s) * torch.empty((), dtype=d).element_size() for s, d in self.wanted
         )
@@ -47,10 +54,8 @@ class StagingBuffers:
     def _allocate(self) -> None:
         start = time.perf_counter()
         try:
-            for shape, dtype in self.wanted:
-                self._pool[(shape, dtype)].append(
-                    torch.empty(shape, dtype=dtype, pin_memory=self.pin)
-                )
+            for shape, dtype in self.wanted:  # zero_: the pages faulted in now, not in the copy
+                self._pool[(shape, dtype)].append(torch.empty(shape, dtype=dtype).zero_())
         except BaseException as exc:  # out of host memory: checkpoints copy as before
             self.error = exc
             self._pool.clear()
@@ -79,7 +84,7 @@ class StagingBuffers:
             else:
                 self.misses += 1
                 buffer = torch.empty(tensor.shape, dtype=tensor.dtype)
-            return buffer.copy_(tensor, non_blocking=self.pin)
+            return buffer.copy_(tensor)
 
         def walk(value: Any) -> Any:
             if isinstance(value, DTensor):
@@ -94,17 +99,14 @@ class StagingBuffers:
                 return [walk(v) for v in value]
             return value
 
-        staged = walk(state)
-        if self.pin and torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non-blocking copies are done before DCP reads them
-        return staged, taken
+        return walk(state), taken
 
     def release(self, taken: list[torch.Tensor]) -> None:
         for buffer in taken:
             self._pool[(tuple(buffer.shape), buffer.dtype)].append(buffer)
 
 
-def for_model(model: torch.nn.Module, copies: int, pin: bool) -> StagingBuffers:
+def for_model(model: torch.nn.Module, copies: int) -> StagingBuffers:
     """Buffers for `copies` tensors shaped like each parameter's local shard (an FSDP2
     DTensor's, or the parameter's own), e.g. 3 for the weights and AdamW's two moments."""
     from torch.distributed.tensor import DTensor
@@ -113,7 +115,7 @@ def for_model(model: torch.nn.Module, copies: int, pin: bool) -> StagingBuffers:
         (tuple((p._local_tensor if isinstance(p, DTensor) else p).shape), p.dtype)
         for p in model.parameters()
     ]
-    return StagingBuffers(shapes, copies, pin)
+    return StagingBuffers(shapes, copies)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -196,14 +196,14 @@ class ActorWorker(Worker):
             return None  # the state lives in CPU memory already / nothing to write
         import psutil
 
-        buffers = staging.for_model(self.model, copies=3, pin=True)  # weights, 2 moments
+        buffers = staging.for_model(self.model, copies=3)  # the weights, AdamW's 2 moments
 
         available = psutil.virtual_memory().available
         if buffers.bytes > available / 2:
             log.warning(
                 f"actor rank {self.rank} on {socket.gethostname()}: runner.checkpoint_staging "
-                f"skipped: its buffers need {buffers.bytes / 2**30:.1f} GiB of pinned host "
-                f"memory, over half of the {available / 2**30:.1f} GiB available; checkpoints "
+                f"skipped: its buffers need {buffers.bytes / 2**30:.1f} GiB of host memory, "
+                f"over half of the {available / 2**30:.1f} GiB available; checkpoints "
                 "copy from the GPU as they write (set runner.checkpoint_staging=false to "
                 "silence this)"
             )
