@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -124,6 +125,48 @@ def test_manifest_rejects_missing_malformed_and_unlisted(tmp_path, inputs):
     write_manifest(data.parent, ["other.jsonl"])
     with pytest.raises(PreflightError, match="boba.jsonl is not listed"):
         verify_input(data)
+
+
+def test_remembered_digests_skip_unchanged_files_and_never_a_changed_one(
+    tmp_path, inputs, monkeypatch
+):
+    """cluster.preflight.hash_cache_dir: a second verification reads no file; a file changed
+    in place with its size and mtime put back is still hashed again and caught; an entry that
+    cannot be used is ignored and rewritten."""
+    from rlinf_twoworker.storage import manifest
+
+    model, _ = inputs
+    cache = tmp_path / "sha256"
+    hashed: list[str] = []
+    real = manifest.sha256_file
+
+    def counting(path):
+        hashed.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(manifest, "sha256_file", counting)
+    first = verify_manifest(model, cache)
+    listed = {name for _, name in manifest.read_manifest(model)}
+    assert listed <= set(hashed) and len(list(cache.glob("*.json"))) == len(listed)
+    hashed.clear()
+    assert verify_manifest(model, cache) == first
+    assert hashed == [MANIFEST_NAME]  # only the manifest's own digest, which is never cached
+    weights = model / "model.safetensors"
+    stat = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[0] ^= 0xFF  # same size, and the mtime put back below
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(PreflightError, match=r"model\.safetensors.*has SHA256 .* but the manifest"):
+        verify_manifest(model, cache)
+    data[0] ^= 0xFF
+    weights.write_bytes(bytes(data))  # the original bytes again: verifies, from a fresh hash
+    for entry in cache.glob("*.json"):
+        entry.write_text("{not json")
+    hashed.clear()
+    assert verify_manifest(model, cache) == first
+    assert listed <= set(hashed)  # every unusable entry ignored: hashed again
+    assert all(json.loads(e.read_text())["sha256"] for e in cache.glob("*.json"))  # rewritten
 
 
 # ---- NodeProbe, without Ray actors ----------------------------------------------------------

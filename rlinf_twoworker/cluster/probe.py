@@ -189,9 +189,10 @@ class NodeProbe:
 
         def verify_manifests() -> tuple[dict[str, str], list[str], float]:
             start, found, problems = time.perf_counter(), {}, []
+            remembered = Path(pre.hash_cache_dir).expanduser() if pre.hash_cache_dir else None
             for label, path in self.input_paths(cfg, node_rank).items():
                 try:
-                    found[label] = verify_input(path)
+                    found[label] = verify_input(path, remembered)
                 except PreflightError as exc:  # it names the input and says what to do
                     problems.append(f"node {node_rank} ({r['hostname']}): {exc}")
             return found, problems, time.perf_counter() - start

@@ -99,6 +99,11 @@ class PreflightConfig:
     """Modules every node must import."""
     check_collective: bool = True
     """Run an all-reduce across the probes of all nodes before training."""
+    hash_cache_dir: str | None = "~/.cache/rlinf_twoworker/sha256"
+    """Where each node remembers the SHA256 digests it computed for the inputs' files, with
+    each file's identity and change time (path, device, inode, size, mtime, ctime): a file
+    unchanged since is not hashed again (a changed one always is). A directory on the node's
+    own disk; None hashes every file every run."""
 
 
 @dataclass(kw_only=True)
