@@ -60,7 +60,10 @@ class LocalCluster:
     The context manager connects this process (unless connect=False; then connect with
     `ray.init(address=cluster.address)`) and shuts everything down on exit. The cluster keeps
     its session files in a temporary directory of its own and never touches another Ray
-    cluster running on the host (its address file, its session directory).
+    cluster running on the host (its address file, its session directory). preload=True
+    starts the nodes as `RAY_preload_python_modules=rlinf_twoworker.preload
+    RAY_enable_worker_prestart=1 ray start` would: each node's idle workers (one per CPU)
+    import the library ahead of a run (rlinf_twoworker/preload.py).
     """
 
     def __init__(
