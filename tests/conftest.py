@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is imported
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -18,6 +22,28 @@ def cluster_2x2():
     """A LocalCluster(2, 2) shared by the session; this process is connected to it."""
     with LocalCluster(num_nodes=2, gpus_per_node=2) as cluster:
         yield cluster
+
+
+def run_in_own_process(script: str, *args: str, timeout: float) -> Any:
+    """Run `script` with `args` in a Python process of its own, away from the session's cluster
+    (RAY_ADDRESS removed: it starts and connects to a cluster of its own); it must exit 0 and
+    print a JSON value on its last line, which is returned."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def own_process():
+    """run_in_own_process, for tests whose job needs a Ray cluster of its own."""
+    return run_in_own_process
 
 
 def pytest_collection_modifyitems(config, items):

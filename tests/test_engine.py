@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -380,21 +379,12 @@ with LocalCluster(num_nodes=2, gpus_per_node=1):
 """
 
 
-def test_two_nodes_one_gpu_each_with_inference_beside_the_actor(tmp_path):
+def test_two_nodes_one_gpu_each_with_inference_beside_the_actor(tmp_path, own_process):
     """The topology of the two-GPU benchmark: the actor's weights cross the node boundary to
     the rollout and fan out back to the inference component on the actor's node; the
     weight check (digests of every copy) passes after each sync, and the postflight passes.
     Padding trimming is on (multiples of 8 columns), so its path runs in a real update."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run(
-        [sys.executable, "-c", TWO_NODES_ONE_GPU, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = own_process(TWO_NODES_ONE_GPU, str(tmp_path), timeout=600)
     assert result["passed"], result["errors"]
     nodes = {c: (b, n) for c, b, n in result["topology"]}
     assert nodes["rollout"][1] == nodes["reward"][1] == result["driver"]

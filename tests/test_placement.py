@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -238,13 +234,8 @@ THREE_NODES = textwrap.dedent(
 )
 
 
-def test_three_nodes_one_gpu_each_places():
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run(
-        [sys.executable, "-c", THREE_NODES], capture_output=True, text=True, timeout=120, env=env
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+def test_three_nodes_one_gpu_each_places(own_process):
+    result = own_process(THREE_NODES, timeout=120)
     bundles = result["bundles"]
     assert len(set(bundles)) == 3 and bundles[0] == result["driver"]
     for name, (bundle, node, gpus) in result["found"].items():

@@ -3,14 +3,9 @@ without touching CUDA, and hand a GPU actor its own GPUs afterwards."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
 
 # Runs in a process of its own: this test session's process is connected to its own cluster.
 SCRIPT = textwrap.dedent(
@@ -46,16 +41,8 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_idle_workers_of_every_node_preload_the_library_and_leave_cuda_alone():
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reports = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_idle_workers_of_every_node_preload_the_library_and_leave_cuda_alone(own_process):
+    reports = own_process(SCRIPT, timeout=600)
     assert len({r["node"] for r in reports}) == 2  # one on each node
     for report in reports:
         # Ray's workers import it when they start (those it starts ahead of a job, on every
@@ -101,22 +88,10 @@ RUN_SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_tutorial_job_runs_in_preloaded_workers(tmp_path):
+def test_the_tutorial_job_runs_in_preloaded_workers(tmp_path, own_process):
     """Every component, the controller and the probes run in workers that imported the
     library ahead (or on their start); the run verifies and main.log names them."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", RUN_SCRIPT, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = own_process(RUN_SCRIPT, str(tmp_path), timeout=1200)
     assert out["passed"], out["errors"]
     log = (tmp_path / "runs" / "preloaded" / "log" / "main.log").read_text()
     [line] = [line for line in log.splitlines() if "STARTUP preloaded workers" in line]
