@@ -202,6 +202,9 @@ def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(world, t
     assert actor.staging is None  # on GPUs only, where the copy sets the checkpoint's pace
     actor.train_step([_shard(cfg)])
     actor.staging = buffers = staging.for_model(actor.model, copies=3)
+    # What the host-memory guard weighs: three fp32 copies of this rank's parameter shards.
+    local = sum(p.to_local().numel() * p.element_size() for p in actor.model.parameters())
+    assert buffers.bytes == 3 * local
     buffers.start()
     assert buffers.wait(timeout=60) and buffers.error is None
 

@@ -21,6 +21,7 @@ copied to fresh memory (correct, just slower).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import defaultdict
@@ -39,9 +40,7 @@ class StagingBuffers:
 
     def __init__(self, shapes: Iterable[Key], copies: int) -> None:
         self.wanted = [key for key in shapes for _ in range(copies)]
-        self.bytes = sum(
-            _numel(s) * torch.empty((), dtype=d).element_size() for s, d in self.wanted
-        )
+        self.bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.wanted)
         self._pool: dict[Key, list[torch.Tensor]] = defaultdict(list)
         self._ready = threading.Event()
         self.seconds: float | None = None  # the allocation's, once done
@@ -116,10 +115,3 @@ def for_model(model: torch.nn.Module, copies: int) -> StagingBuffers:
         for p in model.parameters()
     ]
     return StagingBuffers(shapes, copies)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n

@@ -32,7 +32,6 @@ from rlinf_twoworker.engines.models import (
     run_or_eager,
 )
 from rlinf_twoworker.engines.offload import ActorOffload
-from rlinf_twoworker.engines.staging import StagingBuffers
 from rlinf_twoworker.engines.weight_sync import export_weights, send_weights
 from rlinf_twoworker.messages import ActorShard, TrainStats
 from rlinf_twoworker.storage import checkpoints
@@ -146,7 +145,7 @@ class ActorWorker(Worker):
         self._exported: list[torch.Tensor] = []
         self.lr_used = 0.0  # the lr of the latest optimiser step
         self.compiled = False  # compiled decoder layers and log-softmax (set by `build`)
-        self.staging: StagingBuffers | None = None  # runner.checkpoint_staging (by `build`)
+        self.staging: staging.StagingBuffers | None = None  # runner.checkpoint_staging (by `build`)
         # Loaded now, while the other components load theirs; sharded by `build`, which needs
         # the actor group.
         self.dtype = dtype_for(cfg.actor.model.precision, self.device)
@@ -186,7 +185,7 @@ class ActorWorker(Worker):
             self.offloader.offload()
         self.staging = self._start_staging()
 
-    def _start_staging(self) -> StagingBuffers | None:
+    def _start_staging(self) -> staging.StagingBuffers | None:
         """runner.checkpoint_staging: host buffers for this rank's checkpoint shard, allocated
         in a thread from now on (while step 1 runs); None where it does not apply."""
         cfg, log = self.cfg, logging.getLogger("rlinf_twoworker")
