@@ -36,6 +36,9 @@ class Component:
     """Its method the run calls right after its constructor, without waiting, while the others
     still load (the compiler's imports and cache; the reward's grading processes); awaited
     after the first step, whose calls it precedes."""
+    logprobs: bool = False
+    """It computes log-probs of the step's answers (compute_logprobs): the compile warm-up
+    (run/warmup.py) hands it a made-up batch of a step's shape."""
     needed: Callable[[GRPOConfig], bool] | None = None
     """None: every run has it; else whether this config needs it."""
     default_placement: str | None = None
@@ -72,6 +75,7 @@ TABLE: tuple[Component, ...] = (
         "rlinf_twoworker.workers.inference:InferenceWorker",
         receives_weights=True,
         model_section="inference",
+        logprobs=True,
     ),
     Component(
         "actor", "rlinf_twoworker.workers.actor:ActorWorker", trains=True, model_section="actor"
@@ -80,6 +84,7 @@ TABLE: tuple[Component, ...] = (
         "reference",
         "rlinf_twoworker.workers.reference:ReferenceWorker",
         model_section="actor",  # the actor's initial weights, frozen
+        logprobs=True,
         needed=_kl_in_loss,
         default_placement="inference",
     ),

@@ -16,6 +16,7 @@ from rlinf_twoworker.config import to_typed
 from rlinf_twoworker.engines.models import SequenceBatch, load_causal_lm, response_logprobs
 from rlinf_twoworker.messages import ActorShard
 from rlinf_twoworker.run.step import split_for_actors
+from rlinf_twoworker.run.warmup import warm_up_inputs
 from rlinf_twoworker.workers.actor import (
     ActorWorker,
     lr_scheduler,
@@ -163,6 +164,54 @@ def test_token_budget_micro_batches_give_the_one_row_gradient(world):
     # RLinf's per-micro-batch token-mean is not the global token-mean: that one differs
     other, _, _ = _gradients(world, ["algorithm.loss_agg_func=global-token-mean"])
     assert any(not torch.allclose(other[n], g, atol=1e-6) for n, g in one_row.items())
+
+
+def _dropout_actor(world, run_id: str) -> ActorWorker:
+    """A built actor whose attention drops out (so its updates draw random numbers)."""
+    inputs, root = world
+    cfg = to_typed(demo_config(inputs, str(root / "runs"), run_id, ONE_MINIBATCH))
+    actor = ActorWorker(cfg, 0)
+    actor.actor_group = dist.group.WORLD
+    actor.build()
+    for layer in actor.model.model.layers:
+        layer.self_attn.attention_dropout = 0.3
+    return actor
+
+
+def test_the_compile_warm_up_leaves_the_training_untouched(world):
+    """runner.compile_warm_up: a made-up minibatch's forward and backward, in the shapes of a
+    full-length step, drops its gradients, steps nothing and restores the random state, so the
+    update after it is the update without it (dropout on: the update draws random numbers)."""
+    plain = _dropout_actor(world, "plain")
+    torch.manual_seed(7)
+    expected = plain.train_step([_shard(plain.cfg)]).metrics
+    expected_params = {
+        n: p.detach().full_tensor().clone() for n, p in plain.model.named_parameters()
+    }
+
+    actor = _dropout_actor(world, "warmed")
+    batch, [shard] = warm_up_inputs(actor.cfg, ranks=1)
+    rows = actor.cfg.data.rollout_batch_size * actor.cfg.algorithm.group_size
+    assert tuple(batch.input_ids.shape) == (rows, actor.cfg.runner.seq_length)
+    assert bool(batch.response_mask[0].all()) and not bool(batch.attention_mask.all())
+    assert len(shard) == rows  # one minibatch, one rank
+    before = {n: p.detach().full_tensor().clone() for n, p in actor.model.named_parameters()}
+    torch.manual_seed(7)
+    rng = torch.get_rng_state()
+    answer = actor.warm_up(shard)
+    assert answer["seconds"] > 0
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in actor.model.parameters())
+    assert not actor.optimizer.state  # no optimiser step: AdamW made no moments
+    for name, value in actor.model.named_parameters():
+        assert torch.equal(value.detach().full_tensor(), before[name]), name
+    metrics = actor.train_step([_shard(actor.cfg)]).metrics
+    timings = {"offload_seconds"}
+    assert {k: v for k, v in metrics.items() if k not in timings} == {
+        k: v for k, v in expected.items() if k not in timings
+    }
+    for name, value in actor.model.named_parameters():
+        assert torch.equal(value.detach().full_tensor(), expected_params[name]), name
 
 
 def test_lr_schedules_follow_rlinfs_fsdp_keys(world):

@@ -191,6 +191,16 @@ class RunnerConfig:
     rank); skipped, with a warning in the actor's log, when it would take over half of the
     node's available memory, with actor.enable_offload, and when no checkpoint is scheduled.
     false: DCP copies each tensor from the GPU as it writes (slower, no memory held)."""
+    compile_warm_up: bool | None = None
+    """Right after the first weight sync, while step 1's rollout generates, inference (and the
+    reference) compute log-probs of one made-up batch, and each actor rank runs the forward
+    and backward of one made-up minibatch (gradients dropped, no optimiser step, random state
+    kept), both in the shapes of a step whose longest answer reaches the token limit: what
+    they compile for those shapes is compiled before the step needs it. The training is the
+    same either way. None: on where something compiles (GPUs with actor.compile or
+    inference.compile), unless the actor offloads (actor.enable_offload, set or planned: it is
+    skipped and main.log says so); true: on anywhere (on the CPU nothing compiles: it only
+    costs the extra forward and backward); false: off."""
     save_full_weights: bool = False
     """Also write a full-model Hugging Face copy of each checkpoint (actor/huggingface/), as
     `rlinf-twoworker export-hf` would; off by default (the tutorial saves only the shards)."""
@@ -883,6 +893,14 @@ class GRPOConfig:
         """actor.enable_offload in effect: on and the step sequential (RLinf ignores it in its
         pipeline mode, where the stages run at once)."""
         return self.actor.offload and not self.pipelined
+
+    @property
+    def warms_up(self) -> bool:
+        """runner.compile_warm_up resolved (before the actor's offload, which skips it)."""
+        if self.runner.compile_warm_up is not None:
+            return self.runner.compile_warm_up
+        compiles = self.actor.compile or bool(self.inference.compile)
+        return self.cluster.accelerator == "cuda" and compiles
 
     @property
     def rollout_chunks(self) -> int:

@@ -42,6 +42,7 @@ from rlinf_twoworker.run.group import ComponentGroup
 from rlinf_twoworker.run.liveness import Watch, liveness_error, root_cause
 from rlinf_twoworker.run.startup import StartupClock
 from rlinf_twoworker.run.step import run_step, sync_weights, validate
+from rlinf_twoworker.run.warmup import WarmUp
 from rlinf_twoworker.storage import checkpoints as ckpt
 from rlinf_twoworker.storage.data import (
     PromptSampler,
@@ -129,6 +130,7 @@ class RunController:
         self.components_began = 0.0  # time.time() when the components were asked to start
         self.clock = StartupClock(self.log.detail, called_at)
         self.memory_plan: MemoryPlan | None = None
+        self.warm_up = WarmUp()  # runner.compile_warm_up: started after the first sync
 
     # ---- the handle's view -------------------------------------------------------------
     async def start(self) -> bool:
@@ -389,6 +391,7 @@ class RunController:
                 )
         with self.clock.phase("weight_sync"):
             await sync_weights(group, self.cfg)  # rollout and inference start from the actor
+        self.warm_up.start(group, self.cfg, self.log)  # runs beside step 1's rollout
 
     async def _train(self) -> None:
         cfg, group, source = self.cfg, self.group, self.resume_from
@@ -429,6 +432,7 @@ class RunController:
                 )
                 if first:  # done before the step's compiled calls; recorded now
                     await lifecycle.prepared(group, self.clock, self.log)
+                    await self.warm_up.finish(self.clock, self.log)
                 if cfg.compile_cache_root is not None and cfg.cluster.accelerator == "cuda":
                     await lifecycle.after_compiled_step(group, cfg, self.clock, self.log, first)
                 if first:

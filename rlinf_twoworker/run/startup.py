@@ -29,9 +29,13 @@ Phases, in order (the components' model loads overlap one another):
     process_groups   the run's process group and sub-groups
     actor_build      FSDP sharding and the optimiser
     weight_sync      the first sync (rollout and inference start from the actor's weights)
+    warm_up/<c>:<r>  runner.compile_warm_up: one log-prob component's or actor rank's
+                     made-up batch (run/warmup.py), started after the first sync, beside
+                     step 1's rollout; recorded at the end of the first step
     ready            from the call to the first step starting
     first_step       step 1 (or the first step after a resume), compilation included
-    compile/<c>:<r>  one component's seconds in torch.compile during that step (GPUs)
+    compile/<c>:<r>  one component's seconds in torch.compile up to the end of that step,
+                     its warm-up included (GPUs)
     to_first_step    from the call to the first step done
 """
 

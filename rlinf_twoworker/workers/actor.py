@@ -14,9 +14,9 @@ import math
 import socket
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,8 @@ from rlinf_twoworker.engines.weight_sync import export_weights, send_weights
 from rlinf_twoworker.messages import ActorShard, TrainStats
 from rlinf_twoworker.storage import checkpoints
 from rlinf_twoworker.workers.base import Worker
+
+T = TypeVar("T")
 
 
 def micro_batches(cfg: GRPOConfig, rows: int, width: int) -> list[slice]:
@@ -311,13 +313,37 @@ class ActorWorker(Worker):
     def _minibatch_or_eager(self, shard: ActorShard, first: bool) -> dict[str, float]:
         """One minibatch; if torch.compile fails on it, warn, go eager for good and redo it
         (nothing is lost: the optimiser only steps once the whole minibatch succeeded)."""
+        return self._or_eager(lambda: self._minibatch(shard, first))
+
+    def _or_eager(self, run: Callable[[], T]) -> T:
+        """`run()`, redone eagerly for good if torch.compile fails in it (run_or_eager)."""
         return run_or_eager(
-            lambda: self._minibatch(shard, first),
+            run,
             self.compiled,
             self.go_eager,
             f"actor rank {self.rank}: compiled decoder layers / log-softmax kernel",
             "training eagerly from now on (set actor.compile=false to skip compiling)",
         )
+
+    def warm_up(self, shard: ActorShard) -> dict[str, float]:
+        """runner.compile_warm_up (run/warmup.py): the forward and backward of a made-up
+        minibatch shard in a step's shapes (every actor rank at once: FSDP2's collectives), so
+        what they compile is made while step 1's rollout runs. The training is untouched: the
+        gradients are dropped, the optimiser does not step, the random state is restored.
+        Returns its seconds."""
+        start = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        rng = torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None
+        self.model.train()
+        try:
+            self._or_eager(lambda: self.accumulate(shard))
+            self._sync_device()
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1])
+        return {"seconds": time.perf_counter() - start}
 
     def go_eager(self) -> None:
         """Undo the compiled layers and log-softmax: every later forward runs eagerly."""
