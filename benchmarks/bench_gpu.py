@@ -698,31 +698,69 @@ def _tutorial_job(
     }
 
 
+NO_WARM_UP = ("runner.compile_warm_up=false",)
+STARTUP_RUNS = {
+    # name: (compile cache: "a" filled by cold, "b" filled by cold_no_warm_up; preloaded; extra)
+    "cold": ("a", False, ()),
+    "warm": ("a", False, ()),
+    "warm_preloaded": ("a", True, ()),
+    "cold_no_warm_up": ("b", False, NO_WARM_UP),
+    "warm_no_warm_up": ("a", False, NO_WARM_UP),
+    "warm_preloaded_no_warm_up": ("a", True, NO_WARM_UP),
+}
+"""The startup section's runs. Each runs on a fresh local compile cache (its own node
+directory); the shared cache "a" is empty for `cold` and filled by it, "b" likewise for
+`cold_no_warm_up`. The *_no_warm_up runs turn runner.compile_warm_up off: the same job with
+step 1 compiling stage by stage, for the warm-up's effect."""
+
+
 def bench_startup(
     model_dir: Path, root: Path, runs: tuple[str, ...] = ("cold", "warm", "warm_preloaded")
 ) -> dict:
-    """Time to result: the tutorial's job on fresh local compile caches, first with an empty
-    shared compile cache (cold), then with the one the first run filled (warm); then warm
-    again on a cluster whose idle workers preloaded the library. `runs`: which (cold always
-    runs: it fills the cache)."""
+    """Time to result: the tutorial's job with an empty shared compile cache (cold), then with
+    the one the first run filled (warm), then warm on a cluster whose idle workers preloaded
+    the library; `runs` picks from STARTUP_RUNS, in that order (cold always runs first: it
+    fills the cache the warm runs read)."""
+    unknown = set(runs) - set(STARTUP_RUNS)
+    if unknown:
+        raise SystemExit(f"--startup-runs: unknown {sorted(unknown)}; known {list(STARTUP_RUNS)}")
     stamp = int(time.time())
-    cache = root / f"compile-cache-{stamp}"
-    cold = _tutorial_job(model_dir, root, f"startup-cold-{stamp}", cache, root / f"node-a-{stamp}")
-    out = {"cold": cold, "targets": TARGETS}
-    if "warm" in runs:
-        out["warm"] = _tutorial_job(
-            model_dir, root, f"startup-warm-{stamp}", cache, root / f"node-b-{stamp}"
-        )
-    if "warm_preloaded" in runs:
-        out["warm_preloaded"] = _tutorial_job(
+    out: dict = {"targets": TARGETS}
+    for name in ["cold", *[r for r in STARTUP_RUNS if r in runs and r != "cold"]]:
+        cache, preload, extra = STARTUP_RUNS[name]
+        out[name] = _tutorial_job(
             model_dir,
             root,
-            f"startup-preloaded-{stamp}",
-            cache,
-            root / f"node-c-{stamp}",
-            preload_idle_s=PRELOAD_IDLE_S,
+            f"startup-{name.replace('_', '-')}-{stamp}",
+            root / f"compile-cache-{cache}-{stamp}",
+            root / f"node-{name}-{stamp}",
+            extra,
+            preload_idle_s=PRELOAD_IDLE_S if preload else None,
         )
     return out
+
+
+def step1_table(results: dict) -> str:
+    """Step 1 of every startup run, stage by stage, with the compile warm-up's seconds: where
+    the first step's extra time goes, with and without the warm-up."""
+    lines = [
+        "| run | call to step 1 | step 1 | rollout | inference | actor | warm-up (inference / "
+        "actor ranks) | step 2 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in STARTUP_RUNS:
+        run = results.get("startup", {}).get(name)
+        if not run:
+            continue
+        stages, phases = run["step1_stages_s"], run["startup_phases_s"]
+        warm = [f"{v:.1f}" for k, v in sorted(phases.items()) if k.startswith("warm_up/")]
+        lines.append(
+            f"| {name} | {run['call_to_step1_s']:.1f} | {stages['time/step']:.1f} "
+            f"| {stages['time/rollout']:.1f} | {stages['time/inference']:.1f} "
+            f"| {stages['time/actor/training']:.1f} | {' / '.join(warm) or '-'} "
+            f"| {run['step2_s']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def bench_memory(model_dir: Path, root: Path, steps: int = 5, only: tuple[str, ...] = ()) -> dict:
@@ -863,7 +901,9 @@ def main() -> None:
         "--memory-runs", default="", help="the memory section's runs (defaults,budget_40gb); all"
     )
     parser.add_argument(
-        "--startup-runs", default="cold,warm,warm_preloaded", help="the startup section's runs"
+        "--startup-runs",
+        default="cold,warm,warm_preloaded",
+        help=f"the startup section's runs, of {','.join(STARTUP_RUNS)}",
     )
     parser.add_argument("--scaling-budget-s", type=float, default=360.0)
     parser.add_argument("--scaling-case-limit-s", type=float, default=150.0)
@@ -919,6 +959,7 @@ def main() -> None:
     print(json.dumps(results, indent=2, default=str))
     if "startup" in results:
         print(time_to_result_table(results))
+        print(step1_table(results))
     if "memory" in results:
         print(memory_budget_table(results))
     if "table" in results.get("scaling", {}):

@@ -31,7 +31,8 @@ Phases, in order (the components' model loads overlap one another):
     weight_sync      the first sync (rollout and inference start from the actor's weights)
     warm_up/<c>:<r>  runner.compile_warm_up: one log-prob component's or actor rank's
                      made-up batch (run/warmup.py), started after the first sync, beside
-                     step 1's rollout; recorded at the end of the first step
+                     step 1's rollout; recorded at the end of the first step;
+                     warm_up_compile/<c>:<r> its seconds in torch.compile (GPUs)
     ready            from the call to the first step starting
     first_step       step 1 (or the first step after a resume), compilation included
     compile/<c>:<r>  one component's seconds in torch.compile up to the end of that step,

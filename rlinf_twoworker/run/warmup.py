@@ -89,7 +89,8 @@ class WarmUp:
             self.calls.append((member, task))
 
     async def finish(self, clock: StartupClock, log: RunLog) -> None:
-        """After step 1: record each warm-up's seconds (warm_up/<component>:<rank>). A failed
+        """After step 1: record each warm-up's seconds (warm_up/<component>:<rank>) and, where
+        it compiled, torch.compile's share (warm_up_compile/<component>:<rank>). A failed
         warm-up is logged, not raised: the step compiled what it needed itself."""
         calls, self.calls = self.calls, []
         for member, task in calls:
@@ -100,3 +101,5 @@ class WarmUp:
                 log.info(f"WARM_UP {who} failed ({type(exc).__name__}: {exc}); step 1 compiled")
                 continue
             clock.record(f"warm_up/{who}", answer["seconds"])
+            if answer["compile_s"] > 0:
+                clock.record(f"warm_up_compile/{who}", answer["compile_s"])

@@ -330,20 +330,21 @@ class ActorWorker(Worker):
         minibatch shard in a step's shapes (every actor rank at once: FSDP2's collectives), so
         what they compile is made while step 1's rollout runs. The training is untouched: the
         gradients are dropped, the optimiser does not step, the random state is restored.
-        Returns its seconds."""
-        start = time.perf_counter()
+        Returns its seconds (timed_warm_up)."""
         cuda = self.device.type == "cuda"
         rng = torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None
         self.model.train()
         try:
-            self._or_eager(lambda: self.accumulate(shard))
-            self._sync_device()
+            return self.timed_warm_up(lambda: self._warm_up_pass(shard))
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             torch.set_rng_state(rng[0])
             if rng[1] is not None:
                 torch.cuda.set_rng_state(rng[1])
-        return {"seconds": time.perf_counter() - start}
+
+    def _warm_up_pass(self, shard: ActorShard) -> None:
+        self._or_eager(lambda: self.accumulate(shard))
+        self._sync_device()
 
     def go_eager(self) -> None:
         """Undo the compiled layers and log-softmax: every later forward runs eagerly."""

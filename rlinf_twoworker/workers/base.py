@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -174,6 +175,17 @@ class Worker:
             },
             "cache": [event.line(f"{self.component}:{self.rank}")],
         }
+
+    def timed_warm_up(self, run: Callable[[], object]) -> dict[str, float]:
+        """runner.compile_warm_up's answer (run/warmup.py): `run()`'s seconds and, on GPUs,
+        the seconds torch.compile spent in it."""
+        cuda = self.device.type == "cuda"
+        compiled = compile_cache.compile_seconds() if cuda else 0.0
+        start = time.perf_counter()
+        run()
+        seconds = time.perf_counter() - start
+        compile_s = compile_cache.compile_seconds() - compiled if cuda else 0.0
+        return {"seconds": seconds, "compile_s": compile_s}
 
     def memory_report(self) -> dict[str, float]:
         """This process's memory since the last report (process_memory)."""

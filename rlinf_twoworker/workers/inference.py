@@ -72,10 +72,8 @@ class InferenceWorker(PolicyCopy):
     def warm_up(self, batch: SequenceBatch) -> dict[str, float]:
         """runner.compile_warm_up (run/warmup.py): the log-probs of a made-up batch in a step's
         shapes, so what they compile is made before step 1's batch comes; the answer is
-        dropped. Returns its seconds."""
-        start = time.perf_counter()
-        self.compute_logprobs(batch)
-        return {"seconds": time.perf_counter() - start}
+        dropped. Returns its seconds (timed_warm_up)."""
+        return self.timed_warm_up(lambda: self.compute_logprobs(batch))
 
     def _go_eager(self) -> None:
         compile_layers(self.model, False)
