@@ -391,7 +391,8 @@ class RunController:
                 )
         with self.clock.phase("weight_sync"):
             await sync_weights(group, self.cfg)  # rollout and inference start from the actor
-        self.warm_up.start(group, self.cfg, self.log)  # runs beside step 1's rollout
+        if self.resume_step < self.total_steps:  # a step follows: warm up beside its rollout
+            self.warm_up.start(group, self.cfg, self.log)
 
     async def _train(self) -> None:
         cfg, group, source = self.cfg, self.group, self.resume_from
