@@ -13,6 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+PRELOAD_MODULE = "rlinf_twoworker.preload"
+"""What Ray's idle workers import ahead of a run (RAY_preload_python_modules): every worker
+module of this table, among others; a component finds it imported in its process."""
+
 GRPOConfig = Any
 """The run's config (rlinf_twoworker.config.GRPOConfig): the config imports this table, so
 the table names it only in words."""

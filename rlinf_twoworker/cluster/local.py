@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
+from rlinf_twoworker.components import PRELOAD_MODULE
+
 LOOPBACK = "127.0.0.1"
-PRELOAD_MODULE = "rlinf_twoworker.preload"
 # Ray picks the address its processes bind to from this switch at import time; with it off,
 # every node and the Driver use loopback instead of the machine's external address.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

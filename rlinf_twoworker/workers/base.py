@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlinf_twoworker import components
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.engines import compile_cache, offload, weight_sync
 from rlinf_twoworker.engines.compile_cache import CompileCache
@@ -119,7 +120,7 @@ def process_times(began: float) -> dict[str, Any]:
         "created": created,
         "imported": rlinf_twoworker._imported_at,
         "began": began,
-        "preloaded": "rlinf_twoworker.preload" in sys.modules,
+        "preloaded": components.PRELOAD_MODULE in sys.modules,
     }
 
 
