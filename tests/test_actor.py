@@ -4,6 +4,7 @@ falls back to eager training without losing the update."""
 from __future__ import annotations
 
 import gc
+import logging
 import warnings
 
 import pytest
@@ -237,7 +238,7 @@ def test_lr_schedules_follow_rlinfs_fsdp_keys(world):
     assert cosine[0] == pytest.approx(2e-5) and cosine[4] == pytest.approx(1e-5)
 
 
-def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(world, tmp_path):
+def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(world, tmp_path, caplog):
     """runner.checkpoint_staging's path, on the CPU: the state copied into the run's buffers
     (FSDP2 DTensor shards rebuilt over them) and written by DCP from there restores the same
     weights and AdamW moments; a second checkpoint reuses the same buffers."""
@@ -254,7 +255,11 @@ def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(world, t
     # What the host-memory guard weighs: three fp32 copies of this rank's parameter shards.
     local = sum(p.to_local().numel() * p.element_size() for p in actor.model.parameters())
     assert buffers.bytes == 3 * local
-    buffers.start()
+    with caplog.at_level(logging.WARNING, logger="rlinf_twoworker"):  # the host-memory guard
+        assert staging.started_if_room(buffers, 2 * buffers.bytes - 1, "actor rank 0") is None
+    assert "actor rank 0: runner.checkpoint_staging skipped" in caplog.text
+    assert "checkpoint_staging=false" in caplog.text and not buffers.wait(timeout=0)
+    assert staging.started_if_room(buffers, 2 * buffers.bytes, "actor rank 0") is buffers
     assert buffers.wait(timeout=60) and buffers.error is None
 
     def snapshot() -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ copied to fresh memory (correct, just slower).
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -115,3 +116,19 @@ def for_model(model: torch.nn.Module, copies: int) -> StagingBuffers:
         for p in model.parameters()
     ]
     return StagingBuffers(shapes, copies)
+
+
+def started_if_room(buffers: StagingBuffers, available: int, who: str) -> StagingBuffers | None:
+    """`buffers` started, unless they need over half of the `available` host bytes: then
+    None, with a warning that names `who` (the actor rank and node), the sizes and the
+    switch; checkpoints then copy from the GPU as they write."""
+    if buffers.bytes > available / 2:
+        logging.getLogger("rlinf_twoworker").warning(
+            f"{who}: runner.checkpoint_staging skipped: its buffers need "
+            f"{buffers.bytes / 2**30:.1f} GiB of host memory, over half of the "
+            f"{available / 2**30:.1f} GiB available; checkpoints copy from the GPU as they "
+            "write (set runner.checkpoint_staging=false to silence this)"
+        )
+        return None
+    buffers.start()
+    return buffers

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import math
 import socket
 import time
@@ -190,27 +189,18 @@ class ActorWorker(Worker):
     def _start_staging(self) -> staging.StagingBuffers | None:
         """runner.checkpoint_staging: host buffers for this rank's checkpoint shard, allocated
         in a thread from now on (while step 1 runs); None where it does not apply."""
-        cfg, log = self.cfg, logging.getLogger("rlinf_twoworker")
+        cfg = self.cfg
         if not cfg.runner.checkpoint_staging or self.device.type != "cuda":
             return None
         if cfg.offloads or cfg.runner.save_interval <= 0:
             return None  # the state lives in CPU memory already / nothing to write
         import psutil
 
-        buffers = staging.for_model(self.model, copies=3)  # the weights, AdamW's 2 moments
-
-        available = psutil.virtual_memory().available
-        if buffers.bytes > available / 2:
-            log.warning(
-                f"actor rank {self.rank} on {socket.gethostname()}: runner.checkpoint_staging "
-                f"skipped: its buffers need {buffers.bytes / 2**30:.1f} GiB of host memory, "
-                f"over half of the {available / 2**30:.1f} GiB available; checkpoints "
-                "copy from the GPU as they write (set runner.checkpoint_staging=false to "
-                "silence this)"
-            )
-            return None
-        buffers.start()
-        return buffers
+        return staging.started_if_room(
+            staging.for_model(self.model, copies=3),  # the weights, AdamW's 2 moments
+            psutil.virtual_memory().available,
+            f"actor rank {self.rank} on {socket.gethostname()}",
+        )
 
     def _minibatch(self, shard: ActorShard, first: bool) -> dict[str, float]:
         """One optimiser step on this rank's share of a minibatch. `first`: also measure the
