@@ -622,7 +622,7 @@ def _tutorial_job(
         num_nodes=nodes, gpus_per_node=gpus, preload=preload, cpus_per_node=8 if preload else 4
     )
     with cluster, GpuMemorySampler() as gpu_used:
-        if preload:
+        if preload_idle_s:
             time.sleep(preload_idle_s)  # a running cluster: its idle workers have imported
         called = time.perf_counter()
         handle = run_grpo_two_worker(cfg)
@@ -700,18 +700,24 @@ def _tutorial_job(
 
 NO_WARM_UP = ("runner.compile_warm_up=false",)
 STARTUP_RUNS = {
-    # name: (compile cache: "a" filled by cold, "b" filled by cold_no_warm_up; preloaded; extra)
-    "cold": ("a", False, ()),
-    "warm": ("a", False, ()),
-    "warm_preloaded": ("a", True, ()),
-    "cold_no_warm_up": ("b", False, NO_WARM_UP),
-    "warm_no_warm_up": ("a", False, NO_WARM_UP),
-    "warm_preloaded_no_warm_up": ("a", True, NO_WARM_UP),
+    # name: (compile cache: "a" filled by cold, "b" filled by cold_no_warm_up;
+    #        the preloading cluster's idle seconds before the call, None: no preload; extra)
+    "cold": ("a", None, ()),
+    "warm": ("a", None, ()),
+    "warm_preload_at_call": ("a", 0.0, ()),
+    "warm_preloaded": ("a", PRELOAD_IDLE_S, ()),
+    "cold_no_warm_up": ("b", None, NO_WARM_UP),
+    "warm_no_warm_up": ("a", None, NO_WARM_UP),
+    "warm_preloaded_no_warm_up": ("a", PRELOAD_IDLE_S, NO_WARM_UP),
 }
 """The startup section's runs. Each runs on a fresh local compile cache (its own node
-directory); the shared cache "a" is empty for `cold` and filled by it, "b" likewise for
-`cold_no_warm_up`. The *_no_warm_up runs turn runner.compile_warm_up off: the same job with
-step 1 compiling stage by stage, for the warm-up's effect."""
+directory) and a cluster started for it; the shared cache "a" is empty for `cold` and filled
+by it, "b" likewise for `cold_no_warm_up`. warm_preload_at_call: the cluster preloads the
+library (as the local demo's on a GPU host) and is called as soon as it is up, so its idle
+workers import while the run connects, places and runs its preflight; warm_preloaded: called
+PRELOAD_IDLE_S after its start, as a cluster that was up before the job. The *_no_warm_up runs
+turn runner.compile_warm_up off: the same job with step 1 compiling stage by stage, for the
+warm-up's effect."""
 
 
 def bench_startup(
@@ -727,7 +733,7 @@ def bench_startup(
     stamp = int(time.time())
     out: dict = {"targets": TARGETS}
     for name in ["cold", *[r for r in STARTUP_RUNS if r in runs and r != "cold"]]:
-        cache, preload, extra = STARTUP_RUNS[name]
+        cache, idle_s, extra = STARTUP_RUNS[name]
         out[name] = _tutorial_job(
             model_dir,
             root,
@@ -735,7 +741,7 @@ def bench_startup(
             root / f"compile-cache-{cache}-{stamp}",
             root / f"node-{name}-{stamp}",
             extra,
-            preload_idle_s=PRELOAD_IDLE_S if preload else None,
+            preload_idle_s=idle_s,
         )
     return out
 
@@ -744,8 +750,8 @@ def step1_table(results: dict) -> str:
     """Step 1 of every startup run, stage by stage, with the compile warm-up's seconds: where
     the first step's extra time goes, with and without the warm-up."""
     lines = [
-        "| run | call to step 1 | step 1 | rollout | inference | actor | warm-up (inference / "
-        "actor ranks) | step 2 |",
+        "| run | call to step 1 | step 1 | rollout | inference | actor | warm-up by component "
+        "| step 2 |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name in STARTUP_RUNS:
@@ -753,7 +759,11 @@ def step1_table(results: dict) -> str:
         if not run:
             continue
         stages, phases = run["step1_stages_s"], run["startup_phases_s"]
-        warm = [f"{v:.1f}" for k, v in sorted(phases.items()) if k.startswith("warm_up/")]
+        warm = [  # each component's warm-up, named: inference:0 2.4 / actor:0 3.2
+            f"{k.removeprefix('warm_up/')} {v:.1f}"
+            for k, v in sorted(phases.items())
+            if k.startswith("warm_up/")
+        ]
         lines.append(
             f"| {name} | {run['call_to_step1_s']:.1f} | {stages['time/step']:.1f} "
             f"| {stages['time/rollout']:.1f} | {stages['time/inference']:.1f} "
@@ -822,28 +832,24 @@ def time_to_result_table(results: dict) -> str:
     """One table: this run against the targets and TRL, with and without its gradient
     checkpointing (when those sections ran)."""
     startup = results.get("startup", {})
-    cold, warm = startup.get("cold", {}), startup.get("warm", {})
-    preloaded = startup.get("warm_preloaded", {})
-    rows = [
-        ("call to step 1, cold cache", cold.get("call_to_step1_s"), "call_to_step1_cold_s"),
-        ("call to step 1, warm cache", warm.get("call_to_step1_s"), "call_to_step1_warm_s"),
-        (
-            "call to step 1, warm cache, preloaded cluster",
-            preloaded.get("call_to_step1_s"),
-            "call_to_step1_warm_s",
-        ),
-        (
-            "2-step job to verification, warm",
-            warm.get("job_to_verification_s"),
-            "job_to_verification_warm_s",
-        ),
-        (
-            "2-step job to verification, warm, preloaded cluster",
-            preloaded.get("job_to_verification_s"),
-            "job_to_verification_warm_s",
-        ),
-        ("later step, defaults", (warm or preloaded).get("step2_s"), "later_step_defaults_s"),
+    cold = startup.get("cold", {})
+    warm_runs = [  # (run, how its cluster was started) for the warm rows
+        ("warm", "cluster started with the call"),
+        ("warm_preload_at_call", "preloading cluster started with the call"),
+        ("warm_preloaded", "preloaded cluster (up 30 s before the call)"),
     ]
+    rows = [("call to step 1, cold cache", cold.get("call_to_step1_s"), "call_to_step1_cold_s")]
+    for key, label, target in (
+        ("call_to_step1_s", "call to step 1, warm cache", "call_to_step1_warm_s"),
+        ("job_to_verification_s", "2-step job to verification, warm", "job_to_verification_warm_s"),
+    ):
+        for name, how in warm_runs:
+            if name in startup:
+                rows.append((f"{label}, {how}", startup[name].get(key), target))
+    later = next(
+        (startup[n]["step2_s"] for n, _ in warm_runs if "step2_s" in startup.get(n, {})), None
+    )
+    rows.append(("later step, defaults", later, "later_step_defaults_s"))
     trl = _trl_cells(results.get("trl", {}))
     trl_bare = _trl_cells(results.get("trl_no_ckpt", {}))
 
