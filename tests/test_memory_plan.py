@@ -57,6 +57,69 @@ def test_the_shape_is_counted_from_the_model_config(tiny):
     assert shape.kv_bytes_per_token == 2 * 2 * 2 * 4  # K and V, 2 layers, 2 heads of 4
 
 
+def _save(directory: Path, family: str, tied: bool) -> Path:
+    """A tiny model of `family` written by transformers (safetensors), its layers unequal in
+    nothing but their index."""
+    import transformers
+
+    config_class, model_class = {
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+    }[family]
+    config = getattr(transformers, config_class)(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    getattr(transformers, model_class)(config).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("family", "tied"),
+    [("qwen2", False), ("qwen2", True), ("qwen3", False), ("llama", True), ("mistral", False)],
+)
+def test_the_checkpoint_headers_give_the_shape_transformers_counts(tmp_path, family, tied):
+    """Read from config.json and the safetensors headers (what the controller does while the
+    preflight runs), the shape equals the one transformers' model counts on the meta device."""
+    directory = _save(tmp_path / family, family, tied)
+    from_headers = mparts.shape_from_checkpoint(directory)
+    assert from_headers is not None
+    assert from_headers == mparts.shape_on_meta(directory)
+    assert mparts.model_shape(directory) == from_headers
+    head = 0 if tied else 96 * 32
+    assert from_headers.embedding_params == 96 * 32 + head
+
+
+def test_a_shape_the_headers_cannot_give_is_counted_on_meta(tmp_path, tiny):
+    """No safetensors file, a family the header reading does not know, or a config whose
+    layer count the files do not have: None, and model_shape counts on the meta device."""
+    import shutil
+
+    no_files = tmp_path / "no-files"
+    no_files.mkdir()
+    shutil.copy(tiny / "config.json", no_files / "config.json")
+    assert mparts.shape_from_checkpoint(no_files) is None
+    assert mparts.model_shape(no_files) == mparts.shape_on_meta(tiny)
+
+    other = tmp_path / "other-family"
+    shutil.copytree(tiny, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    assert mparts.shape_from_checkpoint(other) is None
+
+    short = tmp_path / "short"
+    shutil.copytree(tiny, short)
+    (short / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    assert mparts.shape_from_checkpoint(short) is None
+
+
 def test_each_part_matches_the_hand_computed_size(tiny):
     cfg = gpu_config(tiny)
     shape = mparts.model_shape(tiny)

@@ -1,7 +1,9 @@
 """What one component process needs on its GPU, part by part, before any model is loaded.
 
-The model's shape comes from its config (parameters counted on the meta device by
-transformers); with the batch, `runner.seq_length` and the settings (precision, FSDP sharding,
+The model's shape comes from its directory: for the decoder-only families the engines know, the
+config and the safetensors files' headers (every stored tensor's shape, no weights read, no
+transformers import: the run's controller plans memory while the preflight runs); for any other
+model, parameters counted on the meta device by transformers. With the batch, `runner.seq_length` and the settings (precision, FSDP sharding,
 the optimiser's state, the rollout's KV cache, activations with or without recompute) each
 process gets an estimate by part. cluster/memory_plan.py adds up the processes of each GPU and
 holds them against its budget.
@@ -12,6 +14,9 @@ The activation, logit and slack coefficients are calibrated on an H200 at the 1.
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +67,71 @@ class ModelShape:
 
 
 def model_shape(model_dir: str | Path) -> ModelShape:
+    """The shape of the causal LM in `model_dir`: from its config and checkpoint headers where
+    they say it all (`shape_from_checkpoint`), else counted on the meta device."""
+    return shape_from_checkpoint(model_dir) or shape_on_meta(model_dir)
+
+
+HEADER_FAMILIES = {"qwen2", "qwen3", "llama", "mistral"}
+"""Model types whose stored tensors are exactly their parameters, named model.embed_tokens,
+model.layers.<i>.*, model.norm and lm_head (an older checkpoint's rotary inv_freq buffers
+aside)."""
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def shape_from_checkpoint(model_dir: str | Path) -> ModelShape | None:
+    """The shape read from config.json and the *.safetensors headers (safetensors reads only
+    each file's header), or None where they do not say it all (another model family, no
+    safetensors files, a layer count that disagrees with the config): the caller counts on
+    the meta device then. Tied embeddings count once, as transformers ties them."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        if config.get("model_type") not in HEADER_FAMILIES:
+            return None
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        layers, vocab = int(config["num_hidden_layers"]), int(config["vocab_size"])
+        intermediate = int(config["intermediate_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    sizes: dict[str, int] = {}
+    try:
+        for file in files:
+            with safe_open(str(file), framework="numpy") as handle:
+                for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    sizes[name] = math.prod(handle.get_slice(name).get_shape())
+    except Exception:  # not a file safetensors reads: transformers will say what is wrong
+        return None
+    sizes = {k: v for k, v in sizes.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.get("tie_word_embeddings", False):
+        sizes.pop("lm_head.weight", None)  # stored by some writers, one tensor once loaded
+    per_layer: dict[int, int] = {}
+    for name, size in sizes.items():
+        found = _LAYER.match(name)
+        if found:
+            index = int(found.group(1))
+            per_layer[index] = per_layer.get(index, 0) + size
+    if len(per_layer) != layers or "model.embed_tokens.weight" not in sizes:
+        return None
+    return ModelShape(
+        params=sum(sizes.values()),
+        embedding_params=sizes["model.embed_tokens.weight"] + sizes.get("lm_head.weight", 0),
+        layer_params=max(per_layer.values()),
+        layers=layers,
+        hidden=hidden,
+        intermediate=intermediate,
+        kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        vocab=vocab,
+    )
+
+
+def shape_on_meta(model_dir: str | Path) -> ModelShape:
     """The shape of the causal LM in `model_dir`, its parameters counted on the meta device
     (no weights read)."""
     import torch

@@ -131,6 +131,9 @@ class RunController:
         self.clock = StartupClock(self.log.detail, called_at)
         self.memory_plan: MemoryPlan | None = None
         self.warm_up = WarmUp()  # runner.compile_warm_up: started after the first sync
+        self.tokenizer: asyncio.Future | None = None
+        """The tokenizer, loaded in a thread from the preflight on (`_setup`; awaited by
+        `_train`): its imports are done before step 1 needs it."""
 
     # ---- the handle's view -------------------------------------------------------------
     async def start(self) -> bool:
@@ -294,6 +297,10 @@ class RunController:
         probe = (self.classes or {}).get("probe", NodeProbe)  # tests inject a slow one
         shapes = asyncio.ensure_future(asyncio.to_thread(model_shapes, cfg))  # alongside
         shapes.add_done_callback(lambda t: t.cancelled() or t.exception())  # read below
+        self.tokenizer = asyncio.ensure_future(
+            asyncio.to_thread(load_tokenizer, cfg.tokenizer_path)
+        )
+        self.tokenizer.add_done_callback(lambda t: t.cancelled() or t.exception())  # _train's
         with clock.phase("preflight"):  # the probes hold the bundles' GPUs while they run
             report = await preflight(cfg, self.pg, self.run_dir, self.log.status, probe_cls=probe)
         self.preflight_f.set(report)
@@ -399,7 +406,11 @@ class RunController:
         if group is None:
             raise RuntimeError("training started before the components (a library bug)")
         data, samples = cfg.data, self.samples
-        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer_path)
+        if self.tokenizer is None:  # _setup started it; anything else loads it here
+            self.tokenizer = asyncio.ensure_future(
+                asyncio.to_thread(load_tokenizer, cfg.tokenizer_path)
+            )
+        tokenizer = await self.tokenizer
         sampler = PromptSampler(len(samples), data.rollout_batch_size, data.shuffle, data.seed)
         val_prompts = encode_prompts(
             tokenizer,
