@@ -157,23 +157,3 @@ def test_run_or_eager_redoes_a_compiler_failure_eagerly_and_nothing_else():
     with pytest.raises(ValueError, match="shapes do not match"):
         run_or_eager(model_error, True, lambda: calls.append("eager"), "x", "y")
     assert calls == ["run"]
-
-
-def test_a_component_gives_torch_the_threads_ray_gave_its_process(monkeypatch):
-    """Ray sets OMP_NUM_THREADS when it hands a worker its actor; a worker that imported torch
-    before (a preloaded one) has a thread for every core until the component's constructor
-    applies Ray's count (tests/test_preload.py checks it in a preloaded Ray worker)."""
-    from rlinf_twoworker.config import load_config, to_typed
-    from rlinf_twoworker.workers.base import Worker, follow_ray_threads
-
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(3)
-        monkeypatch.setenv("OMP_NUM_THREADS", "2")
-        Worker(to_typed(load_config(None, ["cluster.accelerator=cpu"])), "inference", 0)
-        assert torch.get_num_threads() == 2
-        assert follow_ray_threads() is None  # already so: nothing to do
-        monkeypatch.setenv("OMP_NUM_THREADS", "not-a-count")
-        assert follow_ray_threads() is None and torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)

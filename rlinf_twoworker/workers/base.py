@@ -107,8 +107,7 @@ def attach_log(path: str, component: str, rank: int) -> None:
 def process_times(began: float) -> dict[str, Any]:
     """Wall-clock marks of this process's start: created (by Ray's worker pool), imported
     (the library's first import) and began (the component's constructor); preloaded: whether
-    Ray's worker imported rlinf_twoworker.preload before it took the component; torch_threads:
-    torch's CPU threads (follow_ray_threads)."""
+    Ray's worker imported rlinf_twoworker.preload before it took the component."""
     import rlinf_twoworker
 
     try:
@@ -122,22 +121,7 @@ def process_times(began: float) -> dict[str, Any]:
         "imported": rlinf_twoworker._imported_at,
         "began": began,
         "preloaded": components.PRELOAD_MODULE in sys.modules,
-        "torch_threads": torch.get_num_threads(),
     }
-
-
-def follow_ray_threads() -> int | None:
-    """Give torch the CPU threads Ray gave this process. Ray sets OMP_NUM_THREADS when it hands
-    a worker its actor (1 for one without num_cpus) and torch sizes its thread pool when it is
-    imported; in a worker that imported torch ahead (rlinf_twoworker.preload) that was before,
-    so the pool has a thread for every core, and several components on one host oversubscribe
-    it. Returns the count set, or None where torch already had it (a fresh worker) or Ray set
-    none."""
-    wanted = os.environ.get("OMP_NUM_THREADS", "")
-    if not wanted.isdigit() or int(wanted) < 1 or torch.get_num_threads() == int(wanted):
-        return None
-    torch.set_num_threads(int(wanted))
-    return int(wanted)
 
 
 class Worker:
@@ -148,7 +132,6 @@ class Worker:
     def __init__(self, cfg: GRPOConfig, component: str, rank: int) -> None:
         self.began = time.time()  # the process started and imported its worker module
         self.cfg, self.component, self.rank = cfg, component, rank
-        follow_ray_threads()  # a preloaded worker's torch sized its pool before Ray's setting
         self.device = device_for(cfg.cluster.accelerator)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.actor_group: Any = None
