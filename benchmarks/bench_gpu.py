@@ -713,8 +713,8 @@ STARTUP_RUNS = {
 """The startup section's runs. Each runs on a fresh local compile cache (its own node
 directory) and a cluster started for it; the shared cache "a" is empty for `cold` and filled
 by it, "b" likewise for `cold_no_warm_up`. warm_preload_at_call: the cluster preloads the
-library (as the local demo's on a GPU host) and is called as soon as it is up, so its idle
-workers import while the run connects, places and runs its preflight; warm_preloaded: called
+library and is called as soon as it is up, so its idle workers import while the run
+connects, places and runs its preflight; warm_preloaded: called
 PRELOAD_IDLE_S after its start, as a cluster that was up before the job. The *_no_warm_up runs
 turn runner.compile_warm_up off: the same job with step 1 compiling stage by stage, for the
 warm-up's effect."""

@@ -406,10 +406,8 @@ class RunController:
         if group is None:
             raise RuntimeError("training started before the components (a library bug)")
         data, samples = cfg.data, self.samples
-        if self.tokenizer is None:  # _setup started it; anything else loads it here
-            self.tokenizer = asyncio.ensure_future(
-                asyncio.to_thread(load_tokenizer, cfg.tokenizer_path)
-            )
+        if self.tokenizer is None:
+            raise RuntimeError("training started before the tokenizer's load (a library bug)")
         tokenizer = await self.tokenizer
         sampler = PromptSampler(len(samples), data.rollout_batch_size, data.shuffle, data.seed)
         val_prompts = encode_prompts(
