@@ -1,6 +1,6 @@
 """The memory plan: its arithmetic against sizes computed by hand for a tiny model, the
 refusal of a plan that does not fit (named GPU, parts, what to do), the recompute it turns on,
-and a real run refused before any component starts."""
+and a real run refused before any model loads."""
 
 from __future__ import annotations
 
@@ -232,7 +232,9 @@ def test_out_of_memory_errors_carry_the_plans_estimate(tiny):
     assert mp.explain_oom(other, plan, 2) is other
 
 
-def test_a_run_whose_plan_does_not_fit_fails_before_any_component_starts(cluster_2x2, tmp_path):
+def test_a_run_whose_plan_does_not_fit_fails_before_any_model_loads(cluster_2x2, tmp_path):
+    """The components' processes start beside the preflight; a plan that does not fit stops
+    the run before any of them loads its model, and they are gone when the run's error is."""
     inputs = make_inputs(tmp_path / "inputs")
     cfg = demo_config(inputs, tmp_path, "too-big", ["cluster.max_gpu_memory_gb=0.0001"])
     handle = run_grpo_two_worker(cfg)
@@ -247,6 +249,10 @@ def test_a_run_whose_plan_does_not_fit_fails_before_any_component_starts(cluster
     main_log = (run_dir / "log" / "main.log").read_text()
     assert "MEMORY_PLAN" in main_log and "DOES NOT FIT" in main_log
     assert (run_dir / "preflight.json").exists()  # the preflight ran; nothing after it did
+    startup = handle.status()["startup"]
+    assert startup["component_start"] > 0  # every process had started and answered
+    assert "components" not in startup and not [k for k in startup if k.startswith("load/")]
+    assert "STARTUP component_start" in main_log and "STARTUP components " not in main_log
     assert handle.status()["state"] == "failed"
     actors = ray.util.list_named_actors(all_namespaces=True)
     started = [a for a in actors if a["namespace"] == NAMESPACE and "too-big:" in a["name"]]
@@ -345,3 +351,25 @@ def test_the_tutorials_placement_fits_a_40_gib_card_per_gpu_with_its_defaults(sh
     (actor,) = plan.gpus[2].processes
     half = 1_777_088_000 // 2  # DeepSeek-R1-Distill-Qwen-1.5B's parameters, untied head
     assert actor.parts["optimizer"] == 2 * actor.parts["weights"] == 2 * 4 * half
+
+
+def test_free_memory_is_read_for_the_gpu_each_component_holds():
+    """The probes check the GPUs the components hold, listed by Ray's id in any order: each
+    resource rank's budget is the free memory of its own GPU, not of the i-th one listed."""
+    nodes = [
+        {
+            "node_rank": 0,
+            "gpu_memory": [
+                {"free_bytes": 70 * GIB, "total_bytes": 80 * GIB, "ray_gpu_id": "3"},
+                {"free_bytes": 20 * GIB, "total_bytes": 80 * GIB, "ray_gpu_id": "2"},
+            ],
+        },
+        {
+            "node_rank": 1,
+            "gpu_memory": [{"free_bytes": 50 * GIB, "total_bytes": 80 * GIB, "ray_gpu_id": "0"}],
+        },
+    ]
+    gpu_of = {0: (0, "2"), 1: (0, "3"), 2: (1, "0")}
+    assert mp.free_by_resource_rank(nodes, 2, gpu_of) == {0: 20 * GIB, 1: 70 * GIB, 2: 50 * GIB}
+    # Without the components' ids (the preflight command): the i-th GPU the probe held.
+    assert mp.free_by_resource_rank(nodes, 2) == {0: 70 * GIB, 1: 20 * GIB, 2: 50 * GIB}

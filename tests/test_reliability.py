@@ -629,9 +629,9 @@ def test_removed_node_fails_the_run_within_the_detection_bound(cluster_2x2, inpu
 class SlowProbe(NodeProbe):
     """A node probe that takes its time (a slow shared file system, say)."""
 
-    def run(self, cfg, node_rank):  # type: ignore[no-untyped-def]
+    def run(self, cfg, node_rank, gpu_ids=None):  # type: ignore[no-untyped-def]
         time.sleep(8)
-        return super().run(cfg, node_rank)
+        return super().run(cfg, node_rank, gpu_ids)
 
 
 class SlowSavingActor(ActorWorker):
@@ -666,6 +666,43 @@ def test_status_and_cancel_answer_at_once_during_a_slow_preflight(cluster_2x2, i
     assert time.monotonic() - started < 5.0
     with pytest.raises(RunCancelledError):
         handle.result(timeout=60)
+
+
+class SlowFailingProbe(SlowProbe):
+    """A slow node probe that then finds a problem on its node."""
+
+    def run(self, cfg, node_rank, gpu_ids=None):  # type: ignore[no-untyped-def]
+        result = super().run(cfg, node_rank, gpu_ids)
+        result["errors"].append(f"node {node_rank}: a problem the test made up")
+        return result
+
+
+def test_components_start_beside_the_preflight_and_a_failed_one_releases_them(
+    cluster_2x2, inputs, tmp_path
+):
+    """Every component's process starts and answers while the probes still work, holding
+    the GPUs the probes then check; no model loads before the preflight has passed, and a
+    failed preflight leaves no process and no placement group behind."""
+    cfg = demo_config(inputs, tmp_path, "beside", [])
+    handle = run_grpo_two_worker(cfg, component_classes={"probe": SlowFailingProbe})
+    wait_until(lambda: "component_start" in handle.status()["startup"], 120, "component start")
+    status = handle.status()  # the probes' run() began after it and sleeps 8 s first
+    assert status["phase"] == "preflight", status
+    assert not [k for k in status["startup"] if k.startswith(("load/", "components"))]
+    names = run_actors("beside")
+    assert sorted(n.split(":", 1)[1] for n in names if ":controller:" not in n) == [
+        "actor:0",
+        "actor:1",
+        "inference:0",
+        "reward:0",
+        "rollout:0",
+    ]
+    with pytest.raises(rlinf_twoworker.PreflightError, match="a problem the test made up"):
+        handle.result(timeout=120)
+    assert_released("beside")
+    probed = json.loads((tmp_path / "beside" / "preflight.json").read_text())["nodes"]
+    held = {row["node_rank"]: row["ray_gpu_ids"] for row in probed}
+    assert held == {0: ["0", "1"], 1: ["0", "1"]}  # the components' GPUs, bundle by bundle
 
 
 def test_status_answers_at_once_during_a_slow_checkpoint(cluster_2x2, inputs, tmp_path):

@@ -202,9 +202,23 @@ def plan_memory(
     return MemoryPlan(sorted(gpus.values(), key=lambda g: g.resource_rank), settings)
 
 
-def free_by_resource_rank(nodes: list[dict[str, Any]], gpus_per_node: int) -> dict[int, int]:
-    """The preflight's per-GPU free memory (probe.py's gpu_memory), by resource rank."""
+def free_by_resource_rank(
+    nodes: list[dict[str, Any]],
+    gpus_per_node: int,
+    gpu_of: dict[int, tuple[int, str]] | None = None,
+) -> dict[int, int]:
+    """The preflight's per-GPU free memory (probe.py's gpu_memory), by resource rank.
+    `gpu_of`: resource rank -> (node rank, Ray's GPU id) where the run's components hold
+    them (the probes checked those GPUs, in no set order); without it the i-th GPU a node's
+    probe held is that node's local GPU i."""
     free: dict[int, int] = {}
+    if gpu_of is not None:
+        by_id = {
+            (node["node_rank"], str(gpu.get("ray_gpu_id"))): int(gpu["free_bytes"])
+            for node in nodes
+            for gpu in node.get("gpu_memory") or []
+        }
+        return {rank: by_id[where] for rank, where in gpu_of.items() if where in by_id}
     for node in nodes:
         for i, gpu in enumerate(node.get("gpu_memory") or []):
             free[node["node_rank"] * gpus_per_node + i] = int(gpu["free_bytes"])

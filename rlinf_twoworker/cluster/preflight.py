@@ -1,8 +1,10 @@
-"""Per-node preflight: one probe pinned to each node, holding its GPUs, before any training.
+"""Per-node preflight: one probe pinned to each node, checking its GPUs, before any training.
 
-`run_preflight` pins one `probe.NodeProbe` to each bundle of the placement group, compares what
+`preflight` pins one `probe.NodeProbe` to each bundle of the placement group, compares what
 the nodes report, runs a cross-node all-reduce, prints the status lines, writes
-`preflight.json` and raises PreflightError on any failure.
+`preflight.json` and raises PreflightError on any failure. A run starts its components'
+processes at the same time (`Beside`): the probes then check the GPUs Ray gave them, and
+no model is loaded before the preflight and the memory plan have passed.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,15 +88,28 @@ async def _collective(probes: list, nodes: list[dict], cfg: GRPOConfig, deadline
     return out
 
 
-def _start_probes(cfg: GRPOConfig, pg: PlacementGroup, probe_cls: type[NodeProbe]) -> list:
-    """One probe actor per bundle, holding that node's GPUs (logical ones on a CPU cluster)."""
+@dataclass
+class Beside:
+    """The run's components, started together with the probes (run/controller.py): they hold
+    the GPUs of `bundles`, so those bundles' probes hold none and check the GPUs that
+    `gpu_ids` names once every component has answered ({bundle: Ray's GPU ids})."""
+
+    bundles: frozenset[int]
+    gpu_ids: Awaitable[dict[int, list[str]]]
+
+
+def _start_probes(
+    cfg: GRPOConfig, pg: PlacementGroup, probe_cls: type[NodeProbe], shared: frozenset[int]
+) -> list:
+    """One probe actor per bundle, holding that node's GPUs (logical ones on a CPU cluster),
+    none where the bundle's components hold them (`shared`)."""
     actor_cls = ray.remote(probe_cls)
     return [
         actor_cls.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=i
             ),
-            num_gpus=cfg.cluster.num_gpus_per_node,
+            num_gpus=0 if i in shared else cfg.cluster.num_gpus_per_node,
             num_cpus=0,
         ).remote()
         for i in range(pg.bundle_count)
@@ -102,9 +117,13 @@ def _start_probes(cfg: GRPOConfig, pg: PlacementGroup, probe_cls: type[NodeProbe
 
 
 async def _gather(
-    probes: list, cfg: GRPOConfig, node_ids: list[str], deadline: float
+    probes: list,
+    cfg: GRPOConfig,
+    node_ids: list[str],
+    deadline: float,
+    gpu_ids: dict[int, list[str]],
 ) -> list[dict]:
-    refs = [p.run.remote(cfg, i) for i, p in enumerate(probes)]
+    refs = [p.run.remote(cfg, i, gpu_ids.get(i)) for i, p in enumerate(probes)]
     nodes_info = await asyncio.to_thread(ray.nodes)
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes_info}
 
@@ -159,12 +178,14 @@ async def preflight(
     log: Callable[[str], None] = print,
     timeout_s: float | None = None,
     probe_cls: type[NodeProbe] = NodeProbe,
+    beside: Beside | None = None,
 ) -> PreflightReport:
     """Probe every bundle's node, compare them, all-reduce across them; raise on any failure.
 
     Every wait is awaited (the run's controller keeps answering status() and cancel() while
     the probes work). Writes `output_dir/preflight.json` (when given) before raising. The
-    probes are killed at the end so the bundles' GPUs are free for the training components.
+    probes are killed at the end so the bundles' GPUs are free for the training components;
+    with `beside`, the components hold those GPUs already and the probes check theirs.
     """
     start = time.monotonic()
     deadline = start + (timeout_s or cfg.runner.timeouts.preflight_s)
@@ -174,9 +195,11 @@ async def preflight(
         asyncio.to_thread(ray.cluster_resources),
     )
     head_ids = {n["NodeID"] for n in nodes_info if "node:__internal_head__" in n["Resources"]}
-    probes = _start_probes(cfg, pg, probe_cls)
+    shared = beside.bundles if beside is not None else frozenset()
+    probes = _start_probes(cfg, pg, probe_cls, shared)
     try:
-        nodes = await _gather(probes, cfg, node_ids, deadline)
+        gpu_ids = await beside.gpu_ids if beside is not None else {}
+        nodes = await _gather(probes, cfg, node_ids, deadline, gpu_ids)
         errors = [e for n in nodes for e in n["errors"]] + compare_nodes(nodes)
         report = PreflightReport(False, nodes, errors, dict(resources))
         if cfg.cluster.preflight.check_collective:

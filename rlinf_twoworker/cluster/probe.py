@@ -162,7 +162,14 @@ class NodeProbe:
         paths += cfg.data.val_data_paths if cfg.validates else []
         return {p: Path(p) for p in dict.fromkeys(paths) if p}
 
-    def run(self, cfg: GRPOConfig | Mapping[str, Any], node_rank: int) -> dict[str, Any]:
+    def run(
+        self,
+        cfg: GRPOConfig | Mapping[str, Any],
+        node_rank: int,
+        gpu_ids: list[str] | None = None,
+    ) -> dict[str, Any]:
+        """`gpu_ids`: Ray's ids of the GPUs to check, held by the run's components (the probe
+        holds none: preflight.Beside); None: the GPUs Ray gave this probe."""
         cfg = _as_typed(cfg)
         pre = cfg.cluster.preflight
         r: dict[str, Any] = {"node_rank": node_rank, "hostname": socket.gethostname()}
@@ -178,6 +185,10 @@ class NodeProbe:
             context = ray.get_runtime_context()
             r["node_id"] = context.get_node_id()
             r["ray_gpu_ids"] = [str(g) for g in context.get_accelerator_ids().get("GPU", [])]
+        if gpu_ids is not None:
+            r["ray_gpu_ids"], r["gpus_held_by"] = [str(g) for g in gpu_ids], "components"
+            if cfg.cluster.accelerator == "cuda":
+                _see_only(r["ray_gpu_ids"], node_rank)
         seconds: dict[str, float] = {}  # each check's share of the preflight (start-up record)
         clock = time.perf_counter()
 
@@ -267,8 +278,19 @@ class NodeProbe:
             dict(zip(("free_bytes", "total_bytes"), torch.cuda.mem_get_info(i), strict=True))
             for i in range(count)
         ]
+        for memory, ray_id in zip(r["gpu_memory"], r["ray_gpu_ids"], strict=False):
+            memory["ray_gpu_id"] = ray_id  # which GPU the memory plan reads it for
         pre, want = cfg.cluster.preflight, cfg.cluster.num_gpus_per_node
-        if count != want:
+        if r.get("gpus_held_by") == "components":  # the GPUs Ray gave the run's components
+            if count != len(r["ray_gpu_ids"]):
+                ids = ",".join(r["ray_gpu_ids"])
+                fail(
+                    "GPU count",
+                    f"CUDA sees {count} of the GPUs Ray gave the run ({ids})",
+                    "the node's Ray GPU count disagrees with its GPUs: start Ray with --num-gpus "
+                    "matching CUDA_VISIBLE_DEVICES",
+                )
+        elif count != want:
             fail("GPU count", count, f"cluster.num_gpus_per_node is {want}: fix it or the node")
         model = pre.expected_gpu_model
         if model and any(model not in name for name in r["gpu_names"]):
@@ -323,6 +345,19 @@ class NodeProbe:
             return float(value.item())
         finally:
             dist.destroy_process_group()
+
+
+def _see_only(gpu_ids: list[str], node_rank: int) -> None:
+    """Make CUDA in this process see only `gpu_ids` (Ray's ids, as Ray would set them for a
+    process holding them). CUDA reads CUDA_VISIBLE_DEVICES once, when it initialises."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise PreflightError(
+            f"node {node_rank}: the preflight probe initialised CUDA before it was told which "
+            "GPUs to check (a library bug); report it with this node's worker log"
+        )
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
 
 
 def _not_a_causal_lm(model_dir: Path) -> str | None:

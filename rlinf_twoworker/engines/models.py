@@ -72,6 +72,34 @@ def model_dir_problem(path: str | Path) -> str | None:
     return None
 
 
+def preimport_model(path: str | Path, modules: tuple[str, ...] = ()) -> list[str]:
+    """Import what loading the causal LM in `path` will import (transformers' auto classes,
+    the model family's module) and `modules`, without reading any weight: a component does
+    this while the preflight runs, so its model load after the memory plan only loads.
+    Returns the modules it could not import (the load reports them as errors)."""
+    import importlib
+    import json
+
+    missing = []
+    for name in ("transformers", *modules):
+        try:
+            importlib.import_module(name)
+        except Exception:  # the real import, later, raises with its context
+            missing.append(name)
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+        class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(config.get("model_type")))
+        if class_name:
+            getattr(transformers, class_name)  # transformers imports the family's module
+    except Exception:  # no such directory or family: load_causal_lm says what is wrong
+        missing.append(f"model class of {path}")
+    return missing
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -> Any:
     """AutoModelForCausalLM from a local directory, with an error that says what is wrong.
     Typed Any: a transformers model's submodules (`.model.layers`, `.lm_head`) and config are

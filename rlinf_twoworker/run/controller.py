@@ -272,7 +272,7 @@ class RunController:
                     self._fail(*failure)
 
     async def _setup(self) -> None:
-        from rlinf_twoworker.cluster.preflight import preflight
+        from rlinf_twoworker.cluster.preflight import Beside, preflight
         from rlinf_twoworker.cluster.probe import NodeProbe
 
         cfg, timeouts, clock = self.cfg, self.cfg.runner.timeouts, self.clock
@@ -301,8 +301,25 @@ class RunController:
             asyncio.to_thread(load_tokenizer, cfg.tokenizer_path)
         )
         self.tokenizer.add_done_callback(lambda t: t.cancelled() or t.exception())  # _train's
-        with clock.phase("preflight"):  # the probes hold the bundles' GPUs while they run
-            report = await preflight(cfg, self.pg, self.run_dir, self.log.status, probe_cls=probe)
+        # The components' processes start now, beside the preflight's probes (a process
+        # takes seconds to import torch and transformers); their models load only after the
+        # preflight and the memory plan have passed.
+        group = ComponentGroup(
+            cfg, self.run_id, placement, self.pg, self.classes, bundle_nodes=places
+        )
+        self.group, self.watch = group, Watch(group)  # set first: release, watchdog find it
+        self.components_began = time.time()
+        group.start()
+        placed = asyncio.ensure_future(self._placed(group))
+        placed.add_done_callback(lambda t: t.cancelled() or t.exception())  # the preflight's
+        beside = Beside(group.bundles_with_gpus(), placed)
+        try:
+            with clock.phase("preflight"):
+                report = await preflight(
+                    cfg, self.pg, self.run_dir, self.log.status, probe_cls=probe, beside=beside
+                )
+        finally:
+            placed.cancel()  # a no-op once done
         self.preflight_f.set(report)
         for node in report.nodes:  # where the preflight's time went, node by node
             for check, seconds in (node.get("seconds") or {}).items():
@@ -314,15 +331,10 @@ class RunController:
             await self._load_data()  # bad data fails the run here, before any model is loaded
         self.phase = "memory plan"
         with clock.phase("memory_plan"):  # refused here, before any model loads
-            self.memory_plan = await self._plan_memory(shapes, report.nodes)
+            self.memory_plan = await self._plan_memory(shapes, report.nodes, group.gpu_of())
         self.phase = "loading components"
-        group = ComponentGroup(
-            cfg, self.run_id, placement, self.pg, self.classes, bundle_nodes=places
-        )
-        self.group, self.watch = group, Watch(group)  # set first: release, watchdog find it
-        components_start, self.components_began = time.perf_counter(), time.time()
-        group.start()  # every component loads its model in parallel (the actor's included)
-        await group.wait_started()
+        components_start = time.perf_counter()
+        await group.load()  # every component loads its model in parallel (the actor's included)
         clock.record("components", time.perf_counter() - components_start)
         self.components_ready = True
         await lifecycle.log_startup(group, cfg, self.clock, self.log, self.components_began)
@@ -335,7 +347,16 @@ class RunController:
                 f"node={row.node_id[:8]} ip={row.node_ip} gpus={row.gpu_ids}"
             )
 
-    async def _plan_memory(self, shapes: asyncio.Future, nodes: list[dict]) -> MemoryPlan:
+    async def _placed(self, group: ComponentGroup) -> dict[int, list[str]]:
+        """The components' first answers (group.wait_placed), timed from the request: the
+        GPU ids each bundle's probe checks."""
+        gpu_ids = await group.wait_placed()
+        self.clock.record("component_start", time.time() - self.components_began)
+        return gpu_ids
+
+    async def _plan_memory(
+        self, shapes: asyncio.Future, nodes: list[dict], gpu_of: dict[int, tuple[int, str]]
+    ) -> MemoryPlan:
         """Each GPU's estimated need against what the preflight saw free (cluster/memory_plan.py),
         logged and written to memory_plan.json; a plan that does not fit is refused."""
         cfg = self.cfg
@@ -347,7 +368,8 @@ class RunController:
                 "check config.json in each *.model.model_path directory"
             ) from exc
         cuda = cfg.cluster.accelerator == "cuda"
-        free = free_by_resource_rank(nodes, cfg.cluster.num_gpus_per_node) if cuda else None
+        per_node = cfg.cluster.num_gpus_per_node
+        free = free_by_resource_rank(nodes, per_node, gpu_of) if cuda else None
         plan, notes = settle_plan(cfg, cfg.placement, found, free)
         for line in [*notes, *plan.lines()]:
             self.log.info(line)

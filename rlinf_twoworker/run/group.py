@@ -1,5 +1,8 @@
 """Start every component as a Ray actor pinned to its bundle and GPU, and call them safely.
 
+A run starts the processes first (beside its preflight) and loads the models after the memory
+plan: `start`, `wait_placed`, then `load` (see `deferred`).
+
 Actor names are `<run_id>:<component>:<rank>` in namespace `rlinf_twoworker`, so operators
 find them with `ray list actors`. Every call goes through `call`, which applies a timeout and
 turns any failure into a ComponentError naming the component, its rank and its node.
@@ -31,7 +34,48 @@ class Member:
     handle: Any
     where: dict[str, Any]
     ready_at: float | None = None
-    """time.time() when its constructor had finished (its first answer came back)."""
+    """time.time() when its model load (its class's constructor) had finished."""
+    imported: asyncio.Future | None = None
+    """Its `import_ahead` call, made once it has answered (`wait_placed`)."""
+
+
+def deferred(cls: type, component: str) -> type:
+    """`cls` as a Ray actor whose creation only starts its process: the constructor records
+    its arguments, so the process answers `where` (its node, its GPUs) as soon as it has
+    imported its worker module; `import_ahead` imports what the real constructor will
+    (Worker.preimport); `load` runs the real constructor, which loads the model. The run
+    starts the processes beside the preflight and loads the models once the memory plan
+    has passed (`ComponentGroup.start`, `load`)."""
+
+    class Deferred(cls):  # type: ignore[valid-type, misc]
+        def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
+            self._deferred = (cfg, rank)
+            self._placed_at = time.time()  # the process started and imported its module
+            self._load_began: float | None = None
+
+        def where(self) -> dict[str, Any]:
+            if self._load_began is None:
+                from rlinf_twoworker.workers.place import place
+
+                return place(component, self._deferred[1])
+            return super().where()
+
+        def import_ahead(self) -> dict[str, Any]:
+            ahead = getattr(cls, "preimport", None)
+            return ahead(self._deferred[0], component) if ahead else {"seconds": 0.0}
+
+        def load(self) -> dict[str, Any]:
+            self._load_began = time.time()
+            cls.__init__(self, *self._deferred)  # type: ignore[misc]
+            return self.where()
+
+        def startup_report(self) -> dict[str, Any]:
+            report = super().startup_report()  # began: the constructor's start, our load's
+            return {**report, "began": self._placed_at, "load_began": self._load_began}
+
+    Deferred.__name__ = cls.__name__  # how `ray list actors` names it
+    Deferred.__doc__ = cls.__doc__
+    return Deferred
 
 
 class ComponentGroup:
@@ -60,9 +104,11 @@ class ComponentGroup:
         """Preparation calls in flight (start_preparing), awaited after step 1."""
 
     def start(self) -> None:
-        """Create every actor (model loading starts in parallel); `wait_started` awaits them."""
+        """Create every actor: each process starts and imports its worker module, and no
+        model is loaded (`deferred`); `wait_placed` awaits their first answers, `load` their
+        models."""
         for slot in self.placement.slots:
-            cls = self.classes[slot.component]
+            cls = deferred(self.classes[slot.component], slot.component)
             options = scheduling_options(self.pg, self.placement, slot)
             remote: Any = ray.remote(cls).options(
                 name=f"{self.run_id}:{slot.component}:{slot.rank}",
@@ -75,21 +121,68 @@ class ComponentGroup:
             where = dict(self.bundle_nodes[slot.bundle]) if self.bundle_nodes else {}
             self.members.setdefault(slot.component, []).append(Member(slot, handle, where))
 
-    async def wait_started(self) -> None:
-        """Every member's constructor finished (each one's time noted as it answers)."""
+    def bundles_with_gpus(self) -> frozenset[int]:
+        """The bundles where a member holds a GPU share (where its process sees the GPU)."""
+        return frozenset(
+            slot.bundle for slot in self.placement.slots if self.placement.gpu_fraction(slot) > 0
+        )
+
+    async def wait_placed(self) -> dict[int, list[str]]:
+        """Every member's first answer: where it runs, with the GPUs Ray gave it. Each then
+        imports what its model load will (`import_ahead`, not awaited). Returns each bundle's
+        GPU ids held by its members (Ray's ids)."""
 
         async def answered(member: Member) -> dict[str, Any]:
             where = await self.call(
                 member, "where", timeout=self.timeouts.actor_start_s, stage="start"
             )
-            member.ready_at = time.time()
-            self.start_preparing([member])  # while the others still load
+            call = self.call(
+                member, "import_ahead", timeout=self.timeouts.actor_start_s, stage="start"
+            )
+            member.imported = asyncio.ensure_future(call)
+            member.imported.add_done_callback(lambda t: t.cancelled() or t.exception())
             return where
 
         members = self.all()
         wheres = await gather_fail_fast([answered(m) for m in members])
+        gpus: dict[int, list[str]] = {b: [] for b in self.bundles_with_gpus()}
+        for member, where in zip(members, wheres):
+            member.where = {**member.where, **where}
+            if member.slot.bundle in gpus:
+                gpus[member.slot.bundle] += where.get("gpu_ids", [])
+        return {b: sorted(set(ids), key=_gpu_order) for b, ids in gpus.items()}
+
+    def gpu_of(self) -> dict[int, tuple[int, str]]:
+        """Resource rank -> (bundle, Ray's GPU id) of the members that hold a GPU share
+        (known once `wait_placed` is done)."""
+        return {
+            m.slot.resource_rank: (m.slot.bundle, str(m.where["gpu_ids"][0]))
+            for m in self.all()
+            if m.where.get("gpu_ids")
+        }
+
+    async def load(self) -> None:
+        """Every member's model load (its class's constructor), all at once; each one's
+        preparation starts as soon as its load is done, while the others still load."""
+
+        async def loaded(member: Member) -> dict[str, Any]:
+            where = await self.call(
+                member, "load", timeout=self.timeouts.actor_start_s, stage="start"
+            )
+            member.ready_at = time.time()
+            self.start_preparing([member])
+            return where
+
+        members = self.all()
+        wheres = await gather_fail_fast([loaded(m) for m in members])
         for member, where in zip(members, wheres):
             member.where = where
+
+    async def imported_ahead(self) -> list[tuple[Member, dict[str, Any]]]:
+        """The answers of the members' `import_ahead` calls (done before their loads)."""
+        members = [m for m in self.all() if m.imported is not None]
+        answers = await gather_fail_fast([m.imported for m in members if m.imported])
+        return list(zip(members, answers))
 
     def start_preparing(self, members: list[Member]) -> None:
         """Make each member's preparation call (components.Component.prepare: the compiler's
@@ -216,6 +309,11 @@ class ComponentGroup:
                 ray.kill(member.handle, no_restart=True)
             except Exception:  # already dead: nothing left to release
                 pass
+
+
+def _gpu_order(gpu_id: str) -> tuple[int, str]:
+    """Numeric ids in numeric order (10 after 9); UUIDs after them, by name."""
+    return (int(gpu_id), "") if gpu_id.isdigit() else (1 << 30, gpu_id)
 
 
 async def gather_fail_fast(calls: Sequence[Awaitable[Any]]) -> list[Any]:

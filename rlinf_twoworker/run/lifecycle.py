@@ -55,11 +55,14 @@ async def log_startup(
     group: ComponentGroup, cfg: GRPOConfig, clock: StartupClock, log: RunLog, began: float
 ) -> None:
     """Each component's start-up into the record: spawn (the controller's request, at wall
-    clock `began`, to the constructor's first line), init (the constructor), its model load
-    (its preparation, the compile cache's and the reward's, is reported by `prepared`)."""
+    clock `began`, to its process's first answer: run/group.deferred), import_ahead (the
+    imports it made beside the preflight), init (its constructor, after the memory plan),
+    with its model load (its preparation, the compile cache's and the reward's, is reported
+    by `prepared`)."""
     answers = await _ask_all(
         group, "startup_report", cfg.runner.timeouts.actor_start_s, "start-up report"
     )
+    ahead = {id(m): answer for m, answer in await group.imported_ahead()}
     for member, report in answers:
         who = f"{member.slot.component}:{member.slot.rank}"
         # spawn is the process's start and imports; on two nodes it mixes their wall clocks.
@@ -67,8 +70,11 @@ async def log_startup(
             clock.record(f"spawn/{who}", report["began"] - began)
             for phase, seconds in spawn_parts(report, began).items():
                 clock.record(f"{phase}/{who}", seconds)
-            if member.ready_at is not None:
-                clock.record(f"init/{who}", member.ready_at - report["began"])
+        if id(member) in ahead and ahead[id(member)].get("seconds"):
+            clock.record(f"import_ahead/{who}", ahead[id(member)]["seconds"])
+        constructed = report.get("load_began") or report.get("began")
+        if member.ready_at is not None and constructed is not None:
+            clock.record(f"init/{who}", member.ready_at - constructed)
         for part, seconds in report["seconds"].items():  # load, grader_start
             clock.record(f"{part}/{who}", seconds)
     preloaded = [f"{m.slot.component}:{m.slot.rank}" for m, r in answers if r.get("preloaded")]

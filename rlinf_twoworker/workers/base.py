@@ -25,17 +25,7 @@ from rlinf_twoworker.engines import compile_cache, offload, weight_sync
 from rlinf_twoworker.engines.compile_cache import CompileCache
 from rlinf_twoworker.engines.models import device_for, load_causal_lm
 from rlinf_twoworker.engines.weight_sync import SyncGroups, new_sync_groups
-
-
-def node_ip() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:
-        pass
-    return "127.0.0.1"
+from rlinf_twoworker.workers.place import node_ip, place
 
 
 def free_port(host: str) -> int:
@@ -128,6 +118,25 @@ class Worker:
     """Identity, device and process-group membership of one component process."""
 
     model: Any
+    PREIMPORTS: tuple[str, ...] = ()
+    """Modules its constructor or first calls import beyond its model's (`preimport`)."""
+
+    @classmethod
+    def preimport(cls, cfg: GRPOConfig, component: str) -> dict[str, Any]:
+        """Import what the constructor and the compiler will, model weights aside: the run
+        calls this while the preflight runs (run/group.py), so the model load that follows
+        the memory plan finds its modules imported. Returns its seconds and the modules it
+        could not import (the constructor raises for them, with their context)."""
+        from rlinf_twoworker.engines.models import preimport_model
+
+        start = time.perf_counter()
+        modules = list(cls.PREIMPORTS)
+        if cfg.cluster.accelerator == "cuda":  # prepare_compiler's
+            modules += ["torch._dynamo", "torch._inductor.compile_fx"]
+        section = components.by_name(component).model_section
+        path = getattr(cfg, section).model.model_path if section else None
+        missing = preimport_model(path, tuple(modules)) if path else []
+        return {"seconds": time.perf_counter() - start, "missing": missing}
 
     def __init__(self, cfg: GRPOConfig, component: str, rank: int) -> None:
         self.began = time.time()  # the process started and imported its worker module
@@ -215,23 +224,7 @@ class Worker:
 
     def where(self) -> dict[str, Any]:
         """Component, rank, node and GPUs of this process (for topology and error messages)."""
-        info: dict[str, Any] = {
-            "component": self.component,
-            "rank": self.rank,
-            "host": socket.gethostname(),
-            "ip": node_ip(),
-            "pid": os.getpid(),
-        }
-        try:
-            import ray
-
-            if ray.is_initialized():
-                ctx = ray.get_runtime_context()
-                info["node_id"] = ctx.get_node_id()
-                info["gpu_ids"] = [str(g) for g in ray.get_gpu_ids()]
-        except Exception:
-            pass
-        return info
+        return place(self.component, self.rank)
 
     def rendezvous_address(self) -> tuple[str, int]:
         ip = node_ip()

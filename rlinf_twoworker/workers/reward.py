@@ -14,7 +14,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import socket
 import threading
 import time
 from collections import deque
@@ -301,18 +300,9 @@ class RewardWorker:
         return Graded(scores, dict(self.grader.last_stats))
 
     def where(self) -> dict[str, Any]:
-        import ray
+        from rlinf_twoworker.workers.place import place
 
-        ctx = ray.get_runtime_context()
-        return {
-            "component": "reward",
-            "rank": self.rank,
-            "host": socket.gethostname(),
-            "ip": ray.util.get_node_ip_address(),
-            "pid": os.getpid(),
-            "node_id": ctx.get_node_id(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-        }
+        return place("reward", self.rank)
 
     def ping(self) -> bool:
         return True

@@ -1,0 +1,74 @@
+"""How a run starts its components (run/group.py): each process starts and answers before its
+model loads, in a plain process as in a Ray actor."""
+
+from __future__ import annotations
+
+import os
+
+from rlinf_twoworker.run.group import deferred
+
+
+class Loads:
+    """A component stand-in whose constructor does the work (a model load)."""
+
+    loaded = 0
+
+    def __init__(self, cfg: dict, rank: int = 0) -> None:
+        Loads.loaded += 1
+        self.cfg, self.rank, self.began = cfg, rank, 123.0
+
+    def where(self) -> dict:
+        return {"component": "loads", "rank": self.rank, "loaded": True}
+
+    def startup_report(self) -> dict:
+        return {"began": self.began, "seconds": {"load": 1.0}}
+
+
+def test_a_deferred_component_answers_before_its_constructor_runs():
+    cls = deferred(Loads, "rollout")
+    assert cls.__name__ == "Loads" and issubclass(cls, Loads)
+    component = cls({"x": 1}, 3)
+    assert Loads.loaded == 0  # created: the process is up, no model loaded
+    placed = component.where()
+    assert (placed["component"], placed["rank"], placed["pid"]) == ("rollout", 3, os.getpid())
+    assert component.import_ahead() == {"seconds": 0.0}  # a class with nothing to import
+    assert component.load() == {"component": "loads", "rank": 3, "loaded": True}
+    assert Loads.loaded == 1 and component.cfg == {"x": 1}
+    report = component.startup_report()
+    # began: when the process answered first; load_began: when the constructor ran.
+    assert report["began"] == component._placed_at <= report["load_began"]
+    assert report["seconds"] == {"load": 1.0}
+
+
+def test_import_ahead_imports_the_model_family_without_loading_it(tmp_path):
+    """In a fresh interpreter, Worker.preimport imports transformers and the model's family
+    module (what the model load would) and nothing of the model's weights."""
+    import json
+    import subprocess
+    import sys
+
+    from rlinf_twoworker.api.demo import demo_config, make_inputs
+
+    inputs = make_inputs(tmp_path / "inputs")
+    cfg = demo_config(inputs, tmp_path, "ahead", [])
+    script = (
+        "import json, sys\n"
+        "from omegaconf import OmegaConf\n"
+        "from rlinf_twoworker.config import GRPOConfig, to_typed\n"
+        "from rlinf_twoworker.workers.rollout import RolloutWorker\n"
+        "cfg = to_typed(OmegaConf.merge(OmegaConf.structured(GRPOConfig), json.loads(sys.argv[1])))\n"
+        "family = 'transformers.models.qwen2.modeling_qwen2'\n"
+        "before = family in sys.modules\n"
+        "answer = RolloutWorker.preimport(cfg, 'rollout')\n"
+        "print(json.dumps({'before': before, 'after': family in sys.modules, **answer}))\n"
+    )
+    from omegaconf import OmegaConf
+
+    as_json = json.dumps(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    done = subprocess.run(
+        [sys.executable, "-c", script, as_json], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (answer["before"], answer["after"], answer["missing"]) == (False, True, [])
+    assert answer["seconds"] > 0
