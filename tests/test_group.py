@@ -72,3 +72,23 @@ def test_import_ahead_imports_the_model_family_without_loading_it(tmp_path):
     answer = json.loads(done.stdout.strip().splitlines()[-1])
     assert (answer["before"], answer["after"], answer["missing"]) == (False, True, [])
     assert answer["seconds"] > 0
+
+
+def test_the_reward_process_answers_without_importing_torch():
+    """The reward never needs torch: its first answers (where, its start-up report) come
+    without it, so the run waits on no torch import for them."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, time\n"
+        "from rlinf_twoworker.workers.process import place, process_memory, process_times\n"
+        "import rlinf_twoworker.workers.reward\n"
+        "place('reward', 0); process_times(time.time()); process_memory(None)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
 
         def report(self):
             import rlinf_twoworker.preload as preload
-            from rlinf_twoworker.workers.base import process_times
+            from rlinf_twoworker.workers.process import process_times
 
             return {
                 "node": ray.get_runtime_context().get_node_id(),

@@ -189,15 +189,15 @@ async def preflight(
     """
     start = time.monotonic()
     deadline = start + (timeout_s or cfg.runner.timeouts.preflight_s)
-    node_ids, nodes_info, resources = await asyncio.gather(
-        asyncio.to_thread(bundle_node_ids, pg),
-        asyncio.to_thread(ray.nodes),
-        asyncio.to_thread(ray.cluster_resources),
-    )
-    head_ids = {n["NodeID"] for n in nodes_info if "node:__internal_head__" in n["Resources"]}
     shared = beside.bundles if beside is not None else frozenset()
-    probes = _start_probes(cfg, pg, probe_cls, shared)
+    probes = _start_probes(cfg, pg, probe_cls, shared)  # first: their processes take seconds
     try:
+        node_ids, nodes_info, resources = await asyncio.gather(
+            asyncio.to_thread(bundle_node_ids, pg),
+            asyncio.to_thread(ray.nodes),
+            asyncio.to_thread(ray.cluster_resources),
+        )
+        head_ids = {n["NodeID"] for n in nodes_info if "node:__internal_head__" in n["Resources"]}
         gpu_ids = await beside.gpu_ids if beside is not None else {}
         nodes = await _gather(probes, cfg, node_ids, deadline, gpu_ids)
         errors = [e for n in nodes for e in n["errors"]] + compare_nodes(nodes)

@@ -295,12 +295,6 @@ class RunController:
         self.placement_f.set(self.pg)
         self.phase = "preflight"
         probe = (self.classes or {}).get("probe", NodeProbe)  # tests inject a slow one
-        shapes = asyncio.ensure_future(asyncio.to_thread(model_shapes, cfg))  # alongside
-        shapes.add_done_callback(lambda t: t.cancelled() or t.exception())  # read below
-        self.tokenizer = asyncio.ensure_future(
-            asyncio.to_thread(load_tokenizer, cfg.tokenizer_path)
-        )
-        self.tokenizer.add_done_callback(lambda t: t.cancelled() or t.exception())  # _train's
         # The components' processes start now, beside the preflight's probes (a process
         # takes seconds to import torch and transformers); their models load only after the
         # preflight and the memory plan have passed.
@@ -310,6 +304,13 @@ class RunController:
         self.group, self.watch = group, Watch(group)  # set first: release, watchdog find it
         self.components_began = time.time()
         group.start()
+        # Then the threads: the tokenizer's imports hold the interpreter for seconds.
+        shapes = asyncio.ensure_future(asyncio.to_thread(model_shapes, cfg))  # alongside
+        shapes.add_done_callback(lambda t: t.cancelled() or t.exception())  # read below
+        self.tokenizer = asyncio.ensure_future(
+            asyncio.to_thread(load_tokenizer, cfg.tokenizer_path)
+        )
+        self.tokenizer.add_done_callback(lambda t: t.cancelled() or t.exception())  # _train's
         placed = asyncio.ensure_future(self._placed(group))
         placed.add_done_callback(lambda t: t.cancelled() or t.exception())  # the preflight's
         beside = Beside(group.bundles_with_gpus(), placed)
@@ -337,10 +338,16 @@ class RunController:
         await group.load()  # every component loads its model in parallel (the actor's included)
         clock.record("components", time.perf_counter() - components_start)
         self.components_ready = True
-        await lifecycle.log_startup(group, cfg, self.clock, self.log, self.components_began)
+        # Records only: beside the process groups and the sync, not before them (a
+        # component answers after its preparation, which the sync does not wait for).
+        recorded = asyncio.ensure_future(
+            lifecycle.log_startup(group, cfg, self.clock, self.log, self.components_began)
+        )
+        recorded.add_done_callback(lambda t: t.cancelled() or t.exception())  # awaited below
         if cfg.runner.per_worker_log:
             await lifecycle.attach_worker_logs(group, cfg, self.run_dir)
         await self._prepare_training(group)
+        await recorded
         for row in group.topology():
             self.log.info(
                 f"COMPONENT {row.component}:{row.rank} bundle={row.bundle} "

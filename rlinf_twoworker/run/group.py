@@ -55,7 +55,7 @@ def deferred(cls: type, component: str) -> type:
 
         def where(self) -> dict[str, Any]:
             if self._load_began is None:
-                from rlinf_twoworker.workers.place import place
+                from rlinf_twoworker.workers.process import place
 
                 return place(component, self._deferred[1])
             return super().where()

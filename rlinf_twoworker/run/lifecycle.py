@@ -86,7 +86,7 @@ async def log_startup(
 
 
 def spawn_parts(report: dict[str, Any], requested: float) -> dict[str, float]:
-    """A component's spawn in parts, from its wall-clock marks (workers/base.process_times):
+    """A component's spawn in parts, from its wall-clock marks (workers/process.process_times):
     `process`, the request to the process's creation (Ray's scheduling and worker pool; 0
     when Ray handed over a worker it had started before); `worker_boot`, from there to the
     library's first import (the interpreter, Ray's worker, the actor's assignment); `imports`,

@@ -11,7 +11,6 @@ import datetime
 import logging
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +24,13 @@ from rlinf_twoworker.engines import compile_cache, offload, weight_sync
 from rlinf_twoworker.engines.compile_cache import CompileCache
 from rlinf_twoworker.engines.models import device_for, load_causal_lm
 from rlinf_twoworker.engines.weight_sync import SyncGroups, new_sync_groups
-from rlinf_twoworker.workers.place import node_ip, place
+from rlinf_twoworker.workers.process import (
+    attach_log,
+    node_ip,
+    place,
+    process_memory,
+    process_times,
+)
 
 
 def free_port(host: str) -> int:
@@ -37,81 +42,6 @@ def free_port(host: str) -> int:
 GIB = 2**30
 HELD_WARNING_BYTES = GIB // 2
 """A copy that still holds more than this after giving its memory back is reported."""
-
-
-def process_memory(device: torch.device | None) -> dict[str, float]:
-    """This process's memory, in GiB: host RSS now and its peak since the process started
-    and, on a GPU, the peak allocated and reserved by PyTorch since the last report (the
-    peaks are reset, so each report covers one step)."""
-    import resource
-
-    import psutil
-
-    rss = psutil.Process().memory_info().rss
-    # Linux reports ru_maxrss in KiB; the kernel's high-water mark can trail the current RSS.
-    peak = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    out = {"host_rss_gib": rss / GIB, "host_peak_rss_gib": peak / GIB}
-    if device is not None and device.type == "cuda":
-        out["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-        out["gpu_peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
-        torch.cuda.reset_peak_memory_stats(device)
-    return out
-
-
-class _Tee:
-    """A text stream that also writes to a log file (per-worker logs keep what the process
-    prints as well as its log records)."""
-
-    def __init__(self, stream: Any, log: Any) -> None:
-        self.stream, self.log = stream, log
-
-    def write(self, text: str) -> int:
-        self.log.write(text)
-        self.log.flush()
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-        self.log.flush()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.stream, name)
-
-
-def attach_log(path: str, component: str, rank: int) -> None:
-    """runner.per_worker_log: this process's prints, warnings and log records also go to
-    `path` (log/<component>-<rank>.log in the run directory)."""
-    log = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (lives with the process)
-    sys.stdout = _Tee(sys.stdout, log)
-    sys.stderr = _Tee(sys.stderr, log)  # warnings print here too
-    handler = logging.StreamHandler(sys.stderr)  # records reach Ray's worker log and the file
-    handler.setFormatter(
-        logging.Formatter(f"%(asctime)s {component}:{rank} %(levelname)s %(name)s: %(message)s")
-    )
-    library = logging.getLogger("rlinf_twoworker")
-    library.addHandler(handler)
-    library.setLevel(logging.INFO)
-    logging.getLogger("rlinf_twoworker").info(f"{component} rank {rank} logs to {path}")
-
-
-def process_times(began: float) -> dict[str, Any]:
-    """Wall-clock marks of this process's start: created (by Ray's worker pool), imported
-    (the library's first import) and began (the component's constructor); preloaded: whether
-    Ray's worker imported rlinf_twoworker.preload before it took the component."""
-    import rlinf_twoworker
-
-    try:
-        import psutil
-
-        created: float | None = psutil.Process().create_time()
-    except Exception:  # psutil comes with ray[default]; without it the split is unknown
-        created = None
-    return {
-        "created": created,
-        "imported": rlinf_twoworker._imported_at,
-        "began": began,
-        "preloaded": components.PRELOAD_MODULE in sys.modules,
-    }
 
 
 class Worker:

@@ -300,7 +300,7 @@ class RewardWorker:
         return Graded(scores, dict(self.grader.last_stats))
 
     def where(self) -> dict[str, Any]:
-        from rlinf_twoworker.workers.place import place
+        from rlinf_twoworker.workers.process import place
 
         return place("reward", self.rank)
 
@@ -309,13 +309,13 @@ class RewardWorker:
 
     def memory_report(self) -> dict[str, float]:
         """Host memory of this process (the grading processes are its children, not counted)."""
-        from rlinf_twoworker.workers.base import process_memory
+        from rlinf_twoworker.workers.process import process_memory
 
         return process_memory(None)
 
     def startup_report(self) -> dict[str, Any]:
         """The process's start (its grading processes': warm_up_grader); no model."""
-        from rlinf_twoworker.workers.base import process_times
+        from rlinf_twoworker.workers.process import process_times
 
         return {**process_times(self.began), "seconds": {}}
 
@@ -323,6 +323,6 @@ class RewardWorker:
         return {"cache": [], "compile_s": 0.0}
 
     def attach_log(self, path: str) -> None:
-        from rlinf_twoworker.workers.base import attach_log
+        from rlinf_twoworker.workers.process import attach_log
 
         attach_log(path, "reward", self.rank)
