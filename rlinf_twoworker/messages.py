@@ -4,10 +4,12 @@ must agree on."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the reward's process never imports torch
+    import torch
 
-from rlinf_twoworker.engines.models import SequenceBatch
+    from rlinf_twoworker.engines.models import SequenceBatch
 
 
 @dataclass

@@ -75,8 +75,9 @@ def test_import_ahead_imports_the_model_family_without_loading_it(tmp_path):
 
 
 def test_the_reward_process_answers_without_importing_torch():
-    """The reward never needs torch: its first answers (where, its start-up report) come
-    without it, so the run waits on no torch import for them."""
+    """The reward never needs torch: its first answers (where, its start-up report) and its
+    scores come without it, so neither the start-up nor step 1's grading waits on a torch
+    import (3 s on the H200 host)."""
     import subprocess
     import sys
 
@@ -85,6 +86,7 @@ def test_the_reward_process_answers_without_importing_torch():
         "from rlinf_twoworker.workers.process import place, process_memory, process_times\n"
         "import rlinf_twoworker.workers.reward\n"
         "place('reward', 0); process_times(time.time()); process_memory(None)\n"
+        "from rlinf_twoworker.messages import Graded\n"  # what score() returns
         "print('torch' in sys.modules)\n"
     )
     done = subprocess.run(
