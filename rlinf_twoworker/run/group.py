@@ -37,8 +37,6 @@ class Member:
     """time.time() when its model load (its class's constructor) had finished."""
     imported: asyncio.Future | None = None
     """Its `import_ahead` call, made once it has answered (`wait_placed`)."""
-    loading: asyncio.Future | None = None
-    """Its `load` call, made early for a member with no model and no GPU (the reward)."""
 
 
 def deferred(cls: type, component: str) -> type:
@@ -129,28 +127,15 @@ class ComponentGroup:
             slot.bundle for slot in self.placement.slots if self.placement.gpu_fraction(slot) > 0
         )
 
-    def loads_early(self, member: Member) -> bool:
-        """A member with no model and no GPU share (the reward) is constructed, and prepared,
-        as soon as it answers: nothing of it waits for the memory plan, and its preparation
-        (the reward's grading processes, seconds of imports) runs beside the preflight."""
-        slot = member.slot
-        return self.table[slot.component].model_section is None and not (
-            self.placement.gpu_fraction(slot) > 0 and self.cfg.cluster.accelerator == "cuda"
-        )
-
     async def wait_placed(self) -> dict[int, list[str]]:
         """Every member's first answer: where it runs, with the GPUs Ray gave it. Each then
-        imports what its model load will (`import_ahead`, not awaited), or loads at once
-        (`loads_early`). Returns each bundle's GPU ids held by its members (Ray's ids)."""
+        imports what its model load will (`import_ahead`, not awaited). Returns each bundle's
+        GPU ids held by its members (Ray's ids)."""
 
         async def answered(member: Member) -> dict[str, Any]:
             where = await self.call(
                 member, "where", timeout=self.timeouts.actor_start_s, stage="start"
             )
-            if self.loads_early(member):
-                member.loading = asyncio.ensure_future(self._load(member))
-                member.loading.add_done_callback(lambda t: t.cancelled() or t.exception())
-                return where
             call = self.call(
                 member, "import_ahead", timeout=self.timeouts.actor_start_s, stage="start"
             )
@@ -176,18 +161,20 @@ class ComponentGroup:
             if m.where.get("gpu_ids")
         }
 
-    async def _load(self, member: Member) -> dict[str, Any]:
-        where = await self.call(member, "load", timeout=self.timeouts.actor_start_s, stage="start")
-        member.ready_at = time.time()
-        self.start_preparing([member])
-        return where
-
     async def load(self) -> None:
         """Every member's model load (its class's constructor), all at once; each one's
-        preparation starts as soon as its load is done, while the others still load (a
-        member that loaded early: its load's answer)."""
+        preparation starts as soon as its load is done, while the others still load."""
+
+        async def loaded(member: Member) -> dict[str, Any]:
+            where = await self.call(
+                member, "load", timeout=self.timeouts.actor_start_s, stage="start"
+            )
+            member.ready_at = time.time()
+            self.start_preparing([member])
+            return where
+
         members = self.all()
-        wheres = await gather_fail_fast([m.loading or self._load(m) for m in members])
+        wheres = await gather_fail_fast([loaded(m) for m in members])
         for member, where in zip(members, wheres):
             member.where = where
 
