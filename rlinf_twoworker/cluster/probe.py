@@ -2,7 +2,8 @@
 checkout, inputs and model directories, and whether it can join a collective.
 
 `NodeProbe` is a plain class (tested without Ray); `preflight.run_preflight` pins one to each
-bundle of the placement group, holding that node's GPUs, and compares what they report.
+bundle of the placement group (holding that node's GPUs, or none where the run's components
+hold them and name them: `run(gpu_ids=...)`) and compares what they report.
 """
 
 from __future__ import annotations

@@ -2,20 +2,28 @@
 
 Every phase is logged as it ends (`STARTUP <phase> <seconds>s` in log/main.log), kept for
 `handle.status()["startup"]` and handed to the run's first StepResult (`StepResult.startup`).
-Phases, in order (the components' model loads overlap one another):
+Phases, in order (the components' processes start beside the preflight; their model loads
+overlap one another):
 
     connect          from the call of run_grpo_two_worker to the controller running
     placement        the placement group ready
-    preflight        every node's probe done
+    component_start  every component's process started and answered where it runs (from
+                     the request, made when the placement group is ready), inside `preflight`
+    spawn/<c>:<r>    one component's request to its process's first answer, inside
+                     `component_start`, in parts: process/ (Ray's scheduling and worker
+                     pool), worker_boot/ (the interpreter and Ray's worker, up to the
+                     library's import) and imports/ (the component's worker module)
+    import_ahead/<c>:<r>  what its model load will import (transformers' classes, the model's
+                     family, torch.compile's stack on GPUs), from its first answer on, beside
+                     the preflight
+    preflight        every node's probe done (the probes check the GPUs the components hold)
     preflight/node<i>/<check>  one check's seconds on one node (gpus, env_and_code, manifests,
                      model_configs, imports), inside `preflight`
     preflight/collective  the cross-node all-reduce, inside `preflight`
     data             the training (and validation) data read
-    components       every component process started and its model loaded (the actor's too)
-    spawn/<c>:<r>    one component's request to its constructor's first line, inside
-                     `components`, in parts: process/ (Ray's scheduling and worker pool),
-                     worker_boot/ (the interpreter and Ray's worker, up to the library's
-                     import) and imports/ (the component's modules)
+    memory_plan      the models' shapes against the free memory of each component's GPU
+    components       every component's model loaded (its constructor, the actor's too),
+                     after the memory plan
     init/<c>:<r>     its constructor, in parts: tokenizer/ (the rollout's), load/ (the
                      model), engine/ (the rollout's generation engine)
     compiler_imports/<c>:<r>, cache_load/<c>:<r>  on GPUs, torch.compile's imports and the
