@@ -350,6 +350,50 @@ def test_probe_on_cuda_reads_gpus_driver_and_runs_nccl(inputs):
     assert probe.all_reduce(init_method, 0, 1, "nccl", timeout_s=60) == 1.0
 
 
+def test_probe_told_the_components_gpus_reports_them_and_leaves_cpu_runs_alone(inputs, monkeypatch):
+    """Beside a run's components the probe holds no GPU: it is told theirs (Ray's ids) and
+    reports them; on a CPU run it leaves CUDA_VISIBLE_DEVICES as it found it."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "untouched")
+    result = NodeProbe().run(make_cfg(*inputs), node_rank=0, gpu_ids=["1", "0"])
+    assert result["errors"] == []
+    assert (result["ray_gpu_ids"], result["gpus_held_by"]) == (["1", "0"], "components")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "untouched"
+
+
+PROBE_GIVEN_GPUS = """
+import json, sys
+from rlinf_twoworker.cluster.probe import NodeProbe
+from rlinf_twoworker.config import GRPOConfig, to_typed
+from omegaconf import OmegaConf
+cfg = to_typed(OmegaConf.merge(OmegaConf.structured(GRPOConfig), json.loads(sys.argv[1])))
+result = NodeProbe().run(cfg, 0, gpu_ids=sys.argv[2].split(","))
+print(json.dumps({k: result[k] for k in ("errors", "gpu_count", "gpu_memory", "ray_gpu_ids")}))
+"""
+
+
+@pytest.mark.gpu
+def test_probe_on_cuda_checks_the_gpus_it_is_told(inputs):
+    """In a fresh process (CUDA reads CUDA_VISIBLE_DEVICES once): the probe sees exactly the
+    GPUs named, labels each GPU's free memory with its Ray id (the memory plan reads them by
+    id), and a named GPU CUDA does not have is a GPU-count error naming the ids."""
+    cfg = make_cfg(*inputs, "cluster.accelerator=cuda")
+    as_json = json.dumps(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+
+    def probe(ids: str) -> dict:
+        argv = [sys.executable, "-c", PROBE_GIVEN_GPUS, as_json, ids]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    seen = probe("0")
+    assert seen["errors"] == [] and seen["gpu_count"] == 1, seen
+    assert [g["ray_gpu_id"] for g in seen["gpu_memory"]] == ["0"]
+    assert 0 < seen["gpu_memory"][0]["free_bytes"] <= seen["gpu_memory"][0]["total_bytes"]
+    missing = probe("0,999")
+    assert [e.split(": ")[1] for e in missing["errors"]] == ["GPU count"], missing
+    assert "CUDA sees 1 of the GPUs Ray gave the run (0,999)" in missing["errors"][0]
+
+
 @pytest.mark.parametrize("cores", [2, 16])
 def test_required_modules_are_imported_here_or_in_processes_by_the_cores(monkeypatch, cores):
     """Under 4 cores the probe imports in its own process; with more, in processes of their
