@@ -201,8 +201,9 @@ class RunController:
     def topology(self) -> list[dict[str, Any]]:
         if self.group is None or not self.components_ready:
             raise TwoWorkerError(
-                f"run {self.run_id} has no components yet (phase: {self.phase}); they start "
-                "after the placement and the preflight: ray.get(handle.preflight) first"
+                f"run {self.run_id} has no components yet (phase: {self.phase}); their "
+                "processes start beside the preflight and load their models after it and the "
+                "memory plan: ask again once handle.status()['phase'] is past 'loading components'"
             )
         return [p.to_dict() for p in self.group.topology()]
 
