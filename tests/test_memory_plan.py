@@ -370,6 +370,7 @@ def test_free_memory_is_read_for_the_gpu_each_component_holds():
         },
     ]
     gpu_of = {0: (0, "2"), 1: (0, "3"), 2: (1, "0")}
-    assert mp.free_by_resource_rank(nodes, 2, gpu_of) == {0: 20 * GIB, 1: 70 * GIB, 2: 50 * GIB}
-    # Without the components' ids (the preflight command): the i-th GPU the probe held.
-    assert mp.free_by_resource_rank(nodes, 2) == {0: 70 * GIB, 1: 20 * GIB, 2: 50 * GIB}
+    assert mp.free_by_resource_rank(nodes, gpu_of) == {0: 20 * GIB, 1: 70 * GIB, 2: 50 * GIB}
+    # A GPU no probe reported (another node's id "2", an id not listed): no budget is made up.
+    unseen = {**gpu_of, 3: (1, "2"), 4: (0, "7")}
+    assert mp.free_by_resource_rank(nodes, unseen) == {0: 20 * GIB, 1: 70 * GIB, 2: 50 * GIB}

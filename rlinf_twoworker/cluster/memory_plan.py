@@ -203,26 +203,18 @@ def plan_memory(
 
 
 def free_by_resource_rank(
-    nodes: list[dict[str, Any]],
-    gpus_per_node: int,
-    gpu_of: dict[int, tuple[int, str]] | None = None,
+    nodes: list[dict[str, Any]], gpu_of: dict[int, tuple[int, str]]
 ) -> dict[int, int]:
-    """The preflight's per-GPU free memory (probe.py's gpu_memory), by resource rank.
-    `gpu_of`: resource rank -> (node rank, Ray's GPU id) where the run's components hold
-    them (the probes checked those GPUs, in no set order); without it the i-th GPU a node's
-    probe held is that node's local GPU i."""
-    free: dict[int, int] = {}
-    if gpu_of is not None:
-        by_id = {
-            (node["node_rank"], str(gpu.get("ray_gpu_id"))): int(gpu["free_bytes"])
-            for node in nodes
-            for gpu in node.get("gpu_memory") or []
-        }
-        return {rank: by_id[where] for rank, where in gpu_of.items() if where in by_id}
-    for node in nodes:
-        for i, gpu in enumerate(node.get("gpu_memory") or []):
-            free[node["node_rank"] * gpus_per_node + i] = int(gpu["free_bytes"])
-    return free
+    """The preflight's per-GPU free memory (probe.py's gpu_memory, each GPU labelled with
+    Ray's id), by resource rank. `gpu_of`: resource rank -> (node rank, Ray's GPU id) of the
+    GPU its components hold (run/group.py's gpu_of); the probes list those GPUs in no set
+    order. A rank whose GPU no probe reported is left out (its budget is then unknown)."""
+    by_id = {
+        (node["node_rank"], str(gpu.get("ray_gpu_id"))): int(gpu["free_bytes"])
+        for node in nodes
+        for gpu in node.get("gpu_memory") or []
+    }
+    return {rank: by_id[where] for rank, where in gpu_of.items() if where in by_id}
 
 
 def refusal(plan: MemoryPlan, cfg: GRPOConfig) -> TwoWorkerError:

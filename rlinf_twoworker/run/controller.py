@@ -376,8 +376,7 @@ class RunController:
                 "check config.json in each *.model.model_path directory"
             ) from exc
         cuda = cfg.cluster.accelerator == "cuda"
-        per_node = cfg.cluster.num_gpus_per_node
-        free = free_by_resource_rank(nodes, per_node, gpu_of) if cuda else None
+        free = free_by_resource_rank(nodes, gpu_of) if cuda else None
         plan, notes = settle_plan(cfg, cfg.placement, found, free)
         for line in [*notes, *plan.lines()]:
             self.log.info(line)

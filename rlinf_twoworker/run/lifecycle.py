@@ -72,9 +72,8 @@ async def log_startup(
                 clock.record(f"{phase}/{who}", seconds)
         if id(member) in ahead and ahead[id(member)].get("seconds"):
             clock.record(f"import_ahead/{who}", ahead[id(member)]["seconds"])
-        constructed = report.get("load_began") or report.get("began")
-        if member.ready_at is not None and constructed is not None:
-            clock.record(f"init/{who}", member.ready_at - constructed)
+        if member.ready_at is not None:  # load_began: when group.deferred's load began
+            clock.record(f"init/{who}", member.ready_at - report["load_began"])
         for part, seconds in report["seconds"].items():  # load, grader_start
             clock.record(f"{part}/{who}", seconds)
     preloaded = [f"{m.slot.component}:{m.slot.rank}" for m, r in answers if r.get("preloaded")]
