@@ -203,7 +203,7 @@ def test_cancel_makes_pending_futures_raise_and_frees_the_cluster(cluster_2x2, i
     assert status["steps_done"] >= 1 and status["metrics_step"] == status["steps_done"]
     # The start-up, phase by phase: in the first step's result, status() and log/main.log.
     phases = {"connect", "placement", "component_start", "preflight", "data", "components"}
-    phases |= {"process_groups"}
+    phases |= {"process_groups", "controller_imports"}
     phases |= {"actor_build", "weight_sync", "ready", "first_step", "to_first_step"}
     phases |= {f"load/{c}:{r}" for c, r in [("rollout", 0), ("inference", 0), ("actor", 1)]}
     phases |= {"grader_start/reward:0", "preflight/node0/manifests", "preflight/collective"}

@@ -94,3 +94,26 @@ def test_the_reward_process_answers_without_importing_torch():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False"
+
+
+def test_the_controller_process_starts_without_torch():
+    """The run's controller places the run and starts the components before it needs torch
+    (its training modules import in a thread, beside the preflight): importing its module,
+    and the memory plan's and checkpoint schedule's, imports neither torch nor transformers;
+    the training modules it imports later are importable and bring torch."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import rlinf_twoworker.run.controller as c\n"
+        "import rlinf_twoworker.cluster.memory_plan, rlinf_twoworker.storage.checkpoints\n"
+        "before = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+        "seconds = c._import_training()\n"
+        "print(before, 'torch' in sys.modules, seconds > 0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[] True True"

@@ -17,11 +17,12 @@ fragmentation, cuBLAS workspaces, the compiled kernels).
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rlinf_twoworker.errors import TwoWorkerError
+
+if TYPE_CHECKING:  # dtypes only: the run's controller plans memory without importing torch
+    import torch
 
 PREFILL_TOKENS = 16384
 """Most prompt tokens in one prefill forward: large enough for efficient GEMMs, small enough

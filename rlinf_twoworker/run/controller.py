@@ -4,12 +4,17 @@ It builds the placement group, runs preflight, starts the components, trains, ch
 verifies; meanwhile it answers the handle's futures (`wait_step`, `wait_checkpoint`, ...). A
 failure or a cancellation resolves every pending future with that error, kills the run's
 actors and removes its placement group, so no future hangs and nothing is left holding GPUs.
+
+This module imports no torch: the controller's process starts in under a second and places
+the run at once. What trains (TRAINING_MODULES, torch and transformers among their imports)
+is imported in a thread from the components' start on, beside the preflight.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import importlib
 import os
 import time
 import traceback
@@ -34,15 +39,12 @@ from rlinf_twoworker.cluster.placement import (
     wait_removed,
 )
 from rlinf_twoworker.config import GRPOConfig, config_notes
-from rlinf_twoworker.engines.models import load_tokenizer
 from rlinf_twoworker.errors import RunCancelledError, TwoWorkerError
 from rlinf_twoworker.results import CheckpointInfo, StepResult
-from rlinf_twoworker.run import checkpointing, lifecycle, ray_metrics
+from rlinf_twoworker.run import lifecycle, ray_metrics
 from rlinf_twoworker.run.group import ComponentGroup
 from rlinf_twoworker.run.liveness import Watch, liveness_error, root_cause
 from rlinf_twoworker.run.startup import StartupClock
-from rlinf_twoworker.run.step import run_step, sync_weights, validate
-from rlinf_twoworker.run.warmup import WarmUp
 from rlinf_twoworker.storage import checkpoints as ckpt
 from rlinf_twoworker.storage.data import (
     PromptSampler,
@@ -52,6 +54,28 @@ from rlinf_twoworker.storage.data import (
 )
 from rlinf_twoworker.storage.metrics import MetricsWriter
 from rlinf_twoworker.storage.rundir import RunLog, write_failure
+
+TRAINING_MODULES = (
+    "rlinf_twoworker.engines.models",
+    "rlinf_twoworker.run.step",
+    "rlinf_twoworker.run.warmup",
+    "rlinf_twoworker.run.checkpointing",
+)
+"""What the controller trains with, imported by `_import_training` (each imports torch)."""
+
+
+def _import_training() -> float:
+    """Import TRAINING_MODULES (in a thread: `_setup`); returns the seconds it took."""
+    start = time.perf_counter()
+    for name in TRAINING_MODULES:
+        importlib.import_module(name)
+    return time.perf_counter() - start
+
+
+def _load_tokenizer(path: str) -> Any:
+    from rlinf_twoworker.engines.models import load_tokenizer
+
+    return load_tokenizer(path)
 
 
 class _Future:
@@ -130,7 +154,9 @@ class RunController:
         self.components_began = 0.0  # time.time() when the components were asked to start
         self.clock = StartupClock(self.log.detail, called_at)
         self.memory_plan: MemoryPlan | None = None
-        self.warm_up = WarmUp()  # runner.compile_warm_up: started after the first sync
+        self.warm_up: Any = None  # run.warmup.WarmUp, made once TRAINING_MODULES are imported
+        self.imports: asyncio.Future | None = None
+        """_import_training in a thread, from the components' start on (`_setup`)."""
         self.tokenizer: asyncio.Future | None = None
         """The tokenizer, loaded in a thread from the preflight on (`_setup`; awaited by
         `_train`): its imports are done before step 1 needs it."""
@@ -305,11 +331,13 @@ class RunController:
         self.group, self.watch = group, Watch(group)  # set first: release, watchdog find it
         self.components_began = time.time()
         group.start()
-        # Then the threads: the tokenizer's imports hold the interpreter for seconds.
+        # Then the threads: their imports (torch, transformers) hold the interpreter for seconds.
+        self.imports = asyncio.ensure_future(asyncio.to_thread(_import_training))
+        self.imports.add_done_callback(lambda t: t.cancelled() or t.exception())  # awaited later
         shapes = asyncio.ensure_future(asyncio.to_thread(model_shapes, cfg))  # alongside
         shapes.add_done_callback(lambda t: t.cancelled() or t.exception())  # read below
         self.tokenizer = asyncio.ensure_future(
-            asyncio.to_thread(load_tokenizer, cfg.tokenizer_path)
+            asyncio.to_thread(_load_tokenizer, cfg.tokenizer_path)
         )
         self.tokenizer.add_done_callback(lambda t: t.cancelled() or t.exception())  # _train's
         placed = asyncio.ensure_future(self._placed(group))
@@ -418,7 +446,15 @@ class RunController:
 
     async def _prepare_training(self, group: ComponentGroup) -> None:
         """Process groups and the actor's build, its restore when resuming, the first sync."""
-        await lifecycle.join_process_groups(group, self.cfg, self.clock)
+        joined = asyncio.ensure_future(lifecycle.join_process_groups(group, self.cfg, self.clock))
+        joined.add_done_callback(lambda t: t.cancelled() or t.exception())  # awaited next
+        if self.imports is not None:  # done long before, unless the preflight was very quick
+            self.clock.record("controller_imports", await self.imports)
+        await joined
+        from rlinf_twoworker.run import checkpointing
+        from rlinf_twoworker.run.step import sync_weights
+        from rlinf_twoworker.run.warmup import WarmUp
+
         self.resume_from = ckpt.resume_source(self.cfg, self.run_dir)
         if self.resume_from is not None:
             with self.clock.phase("restore"):
@@ -427,10 +463,14 @@ class RunController:
                 )
         with self.clock.phase("weight_sync"):
             await sync_weights(group, self.cfg)  # rollout and inference start from the actor
+        self.warm_up = WarmUp()  # runner.compile_warm_up
         if self.resume_step < self.total_steps:  # a step follows: warm up beside its rollout
             self.warm_up.start(group, self.cfg, self.log)
 
     async def _train(self) -> None:
+        from rlinf_twoworker.run import checkpointing  # imported already (_prepare_training)
+        from rlinf_twoworker.run.step import run_step, validate
+
         cfg, group, source = self.cfg, self.group, self.resume_from
         if group is None:
             raise RuntimeError("training started before the components (a library bug)")

@@ -14,9 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import Any
 
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.errors import TwoWorkerError
@@ -25,9 +23,6 @@ from rlinf_twoworker.storage.rundir import (
     checkpoint_dir,
     complete_checkpoint_steps,
 )
-
-if TYPE_CHECKING:
-    pass
 
 DCP_SUBDIR = Path("actor") / "dcp_checkpoint"
 DATA_FILE = Path("data") / "data.pt"
@@ -255,6 +250,8 @@ def step_of(checkpoint: Path) -> int:
 
 
 def load_data_state(checkpoint: Path) -> dict[str, Any]:
+    import torch  # here: the run's controller reads the schedule above without torch
+
     return torch.load(checkpoint / DATA_FILE, weights_only=True)
 
 
