@@ -704,6 +704,7 @@ STARTUP_RUNS = {
     #        the preloading cluster's idle seconds before the call, None: no preload; extra)
     "cold": ("a", None, ()),
     "warm": ("a", None, ()),
+    "warm_again": ("a", None, ()),
     "warm_preload_at_call": ("a", 0.0, ()),
     "warm_preloaded": ("a", PRELOAD_IDLE_S, ()),
     "cold_no_warm_up": ("b", None, NO_WARM_UP),
@@ -712,7 +713,8 @@ STARTUP_RUNS = {
 }
 """The startup section's runs. Each runs on a fresh local compile cache (its own node
 directory) and a cluster started for it; the shared cache "a" is empty for `cold` and filled
-by it, "b" likewise for `cold_no_warm_up`. warm_preload_at_call: the cluster preloads the
+by it, "b" likewise for `cold_no_warm_up`. warm_again: `warm` once more (two samples of the
+plain cluster's figures on one host). warm_preload_at_call: the cluster preloads the
 library and is called as soon as it is up, so its idle workers import while the run
 connects, places and runs its preflight; warm_preloaded: called
 PRELOAD_IDLE_S after its start, as a cluster that was up before the job. The *_no_warm_up runs
@@ -835,6 +837,7 @@ def time_to_result_table(results: dict) -> str:
     cold = startup.get("cold", {})
     warm_runs = [  # (run, how its cluster was started) for the warm rows
         ("warm", "cluster started with the call"),
+        ("warm_again", "cluster started with the call, again"),
         ("warm_preload_at_call", "preloading cluster started with the call"),
         ("warm_preloaded", "preloaded cluster (up 30 s before the call)"),
     ]

@@ -5,7 +5,8 @@ Every phase is logged as it ends (`STARTUP <phase> <seconds>s` in log/main.log),
 Phases, in order (the components' processes start beside the preflight; their model loads
 overlap one another):
 
-    connect          from the call of run_grpo_two_worker to the controller running
+    connect          from the call of run_grpo_two_worker to the controller running (its
+                     process imports no torch: run/controller.py)
     placement        the placement group ready
     component_start  every component's process started and answered where it runs (from
                      the request, made when the placement group is ready), inside `preflight`
@@ -14,8 +15,10 @@ overlap one another):
                      pool), worker_boot/ (the interpreter and Ray's worker, up to the
                      library's import) and imports/ (the component's worker module)
     import_ahead/<c>:<r>  what its model load will import (transformers' classes, the model's
-                     family, torch.compile's stack on GPUs), from its first answer on, beside
-                     the preflight
+                     family), from its first answer on, beside the preflight; on GPUs it then
+                     starts a thread importing torch.compile's stack (compiler_imports/)
+    controller_imports  the controller's training modules (torch), imported in a thread from
+                     the components' request on; recorded before the process groups
     preflight        every node's probe done (the probes check the GPUs the components hold)
     preflight/node<i>/<check>  one check's seconds on one node (gpus, env_and_code, manifests,
                      model_configs, imports), inside `preflight`
@@ -26,10 +29,11 @@ overlap one another):
                      after the memory plan
     init/<c>:<r>     its constructor, in parts: tokenizer/ (the rollout's), load/ (the
                      model), engine/ (the rollout's generation engine)
-    compiler_imports/<c>:<r>, cache_load/<c>:<r>  on GPUs, torch.compile's imports and the
-                     component's compile-cache entry (its prepare_compiler call, right after
-                     its constructor, while the others still load); recorded at the end of
-                     the first step
+    compiler_imports/<c>:<r>, cache_load/<c>:<r>  on GPUs, the wait for torch.compile's
+                     imports (started by import_ahead, in a thread) and the component's
+                     compile-cache entry (its prepare_compiler call, right after its
+                     constructor, while the others still load); recorded at the end of the
+                     first step
     load/<c>:<r>     one component's model load, inside `components`
     grader_start/reward:0  the reward's grading processes started and warmed up (its
                      warm_up_grader call, right after its constructor, while the others

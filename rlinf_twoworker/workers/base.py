@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,21 @@ from rlinf_twoworker.workers.process import (
     process_memory,
     process_times,
 )
+
+COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx")
+"""torch.compile's stack (seconds of Python), imported before this process compiles."""
+_compiler_imports: threading.Thread | None = None
+"""The thread `Worker.preimport` starts to import COMPILER_MODULES (one a process)."""
+
+
+def _import_compiler() -> None:
+    import importlib
+
+    for name in COMPILER_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # prepare_compiler imports them again and raises with the context
+            return
 
 
 def free_port(host: str) -> int:
@@ -53,19 +69,24 @@ class Worker:
 
     @classmethod
     def preimport(cls, cfg: GRPOConfig, component: str) -> dict[str, Any]:
-        """Import what the constructor and the compiler will, model weights aside: the run
-        calls this while the preflight runs (run/group.py), so the model load that follows
-        the memory plan finds its modules imported. Returns its seconds and the modules it
-        could not import (the constructor raises for them, with their context)."""
+        """Import what the constructor will, model weights aside: the run calls this while
+        the preflight runs (run/group.py), so the model load that follows the memory plan
+        finds its modules imported. On GPUs it then starts a thread that imports the
+        compiler's (COMPILER_MODULES; `prepare_compiler` waits for it): needed only after
+        the load, they are off the way to it. Returns its seconds and the modules it could
+        not import (the constructor raises for them, with their context)."""
+        global _compiler_imports
         from rlinf_twoworker.engines.models import preimport_model
 
         start = time.perf_counter()
-        modules = list(cls.PREIMPORTS)
-        if cfg.cluster.accelerator == "cuda":  # prepare_compiler's
-            modules += ["torch._dynamo", "torch._inductor.compile_fx"]
         section = components.by_name(component).model_section
         path = getattr(cfg, section).model.model_path if section else None
-        missing = preimport_model(path, tuple(modules)) if path else []
+        missing = preimport_model(path, cls.PREIMPORTS) if path else []
+        if cfg.cluster.accelerator == "cuda" and _compiler_imports is None:
+            _compiler_imports = threading.Thread(
+                target=_import_compiler, name="compiler-imports", daemon=True
+            )
+            _compiler_imports.start()
         return {"seconds": time.perf_counter() - start, "missing": missing}
 
     def __init__(self, cfg: GRPOConfig, component: str, rank: int) -> None:
@@ -102,9 +123,12 @@ class Worker:
         if self.device.type != "cuda" or self._compiler_ready:
             return {"seconds": {}, "cache": []}
         start = time.perf_counter()
-        import torch._dynamo  # noqa: F401
-        import torch._inductor.compile_fx  # noqa: F401
+        if _compiler_imports is not None:  # started by preimport: usually done by now
+            _compiler_imports.join()
+        import importlib
 
+        for name in COMPILER_MODULES:
+            importlib.import_module(name)
         imported = time.perf_counter()
         event = self.compile_cache.load()
         self._compiler_ready = True
