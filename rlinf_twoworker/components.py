@@ -34,6 +34,9 @@ class Component:
     """The FSDP actor: as many ranks as its placement lists; the others run one process."""
     concurrency: int = 1
     """Ray max_concurrency of its actor (the reward grades several answers at once)."""
+    asynchronous: bool = False
+    """Its worker has async methods (the reward's): its process runs its calls on an event
+    loop (run/group.py makes its process without importing the worker, so says it here)."""
     model_section: str | None = None
     """The config section whose model.model_path it loads (the preflight checks those)."""
     prepare: str = "prepare_compiler"
@@ -52,8 +55,13 @@ class Component:
         return self.needed is None or self.needed(cfg)
 
     def worker_class(self) -> type:
-        module, _, name = self.worker.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return worker_class(self.worker)
+
+
+def worker_class(worker: str) -> type:
+    """The class named 'module:Class' (its module imported)."""
+    module, _, name = worker.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _kl_in_loss(cfg: Any) -> bool:
@@ -72,6 +80,7 @@ TABLE: tuple[Component, ...] = (
         "reward",
         "rlinf_twoworker.workers.reward:RewardWorker",
         concurrency=4,
+        asynchronous=True,
         prepare="warm_up_grader",
     ),
     Component(

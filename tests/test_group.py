@@ -1,11 +1,16 @@
 """How a run starts its components (run/group.py): each process starts and answers before its
-model loads, in a plain process as in a Ray actor."""
+worker is built (its model loaded), in a plain process as in a Ray actor."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 
-from rlinf_twoworker.run.group import deferred
+import pytest
+
+from rlinf_twoworker import components
+from rlinf_twoworker.run.group import ComponentHost, host_class
 
 
 class Loads:
@@ -24,25 +29,67 @@ class Loads:
         return {"began": self.began, "seconds": {"load": 1.0}}
 
 
-def test_a_deferred_component_answers_before_its_constructor_runs():
-    cls = deferred(Loads, "rollout")
-    assert cls.__name__ == "Loads" and issubclass(cls, Loads)
+def test_a_component_process_answers_before_its_worker_is_built():
+    cls = host_class(Loads, "rollout")
+    assert cls.__name__ == "Loads" and issubclass(cls, ComponentHost)
     component = cls({"x": 1}, 3)
     assert Loads.loaded == 0  # created: the process is up, no model loaded
     placed = component.where()
     assert (placed["component"], placed["rank"], placed["pid"]) == ("rollout", 3, os.getpid())
-    assert component.import_ahead() == {"seconds": 0.0}  # a class with nothing to import
+    with pytest.raises(RuntimeError, match="rollout:3: where was called before the worker"):
+        component.call("where")
+    assert component.import_ahead()["seconds"] >= 0  # a class with nothing to import
     assert component.load() == {"component": "loads", "rank": 3, "loaded": True}
-    assert Loads.loaded == 1 and component.cfg == {"x": 1}
+    assert Loads.loaded == 1 and component.call("where")["loaded"] is True
     report = component.startup_report()
     # began: when the process answered first; load_began: when the constructor ran.
     assert report["began"] == component._placed_at <= report["load_began"]
     assert report["seconds"] == {"load": 1.0}
 
 
-def test_import_ahead_imports_the_model_family_without_loading_it(tmp_path):
-    """In a fresh interpreter, Worker.preimport imports transformers and the model's family
-    module (what the model load would) and nothing of the model's weights."""
+class Grades:
+    """A worker with an async method, like the reward."""
+
+    def __init__(self, cfg: dict, rank: int = 0) -> None:
+        self.rank = rank
+
+    async def score(self, answers: list[str]) -> list[float]:
+        await asyncio.sleep(0)
+        return [float(a == "7") for a in answers]
+
+    def count(self, answers: list[str]) -> int:
+        return len(answers)
+
+    def where(self) -> dict:
+        return {"rank": self.rank}
+
+
+def test_an_async_worker_gets_an_event_loop_host_that_awaits_its_calls():
+    cls = host_class(Grades, "reward")
+    assert inspect.iscoroutinefunction(cls.call)
+    component = cls({}, 0)
+    component.load()
+    assert asyncio.run(component.call("score", ["7", "1"])) == [1.0, 0.0]
+    assert asyncio.run(component.call("count", ["7"])) == 1  # a plain method, answered as is
+    assert not inspect.iscoroutinefunction(host_class(Loads, "rollout").call)
+    with pytest.raises(ValueError, match="say whether"):
+        host_class("rlinf_twoworker.workers.rollout:RolloutWorker", "rollout")
+
+
+def test_the_table_says_which_workers_are_async():
+    """The run makes each process from its worker's name without importing it, so the table
+    says whether the worker has async methods; it must match the class."""
+    for entry in components.TABLE:
+        cls = entry.worker_class()
+        has_async = any(inspect.iscoroutinefunction(f) for _, f in inspect.getmembers(cls))
+        assert entry.asynchronous == has_async, entry.name
+
+
+def test_a_process_made_by_name_imports_its_worker_only_ahead_of_its_load(tmp_path):
+    """In a fresh interpreter: the process of a component made from its worker's name answers
+    where it runs without importing torch or the worker's module; import_ahead imports the
+    worker, transformers and the model's family module (what the model load would) and
+    nothing of the model's weights."""
     import json
     import subprocess
     import sys
@@ -55,12 +102,16 @@ def test_import_ahead_imports_the_model_family_without_loading_it(tmp_path):
         "import json, sys\n"
         "from omegaconf import OmegaConf\n"
         "from rlinf_twoworker.config import GRPOConfig, to_typed\n"
-        "from rlinf_twoworker.workers.rollout import RolloutWorker\n"
+        "from rlinf_twoworker.run.group import host_class\n"
         "cfg = to_typed(OmegaConf.merge(OmegaConf.structured(GRPOConfig), json.loads(sys.argv[1])))\n"
+        "host = host_class('rlinf_twoworker.workers.rollout:RolloutWorker', 'rollout', False)\n"
+        "process = host(cfg, 0)\n"
+        "process.where()\n"
         "family = 'transformers.models.qwen2.modeling_qwen2'\n"
-        "before = family in sys.modules\n"
-        "answer = RolloutWorker.preimport(cfg, 'rollout')\n"
-        "print(json.dumps({'before': before, 'after': family in sys.modules, **answer}))\n"
+        "before = [m for m in ('torch', 'rlinf_twoworker.workers.rollout', family) if m in sys.modules]\n"
+        "answer = process.import_ahead()\n"
+        "after = [m for m in ('torch', 'rlinf_twoworker.workers.rollout', family) if m in sys.modules]\n"
+        "print(json.dumps({'before': before, 'after': after, **answer}))\n"
     )
     from omegaconf import OmegaConf
 
@@ -70,8 +121,8 @@ def test_import_ahead_imports_the_model_family_without_loading_it(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     answer = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (answer["before"], answer["after"], answer["missing"]) == (False, True, [])
-    assert answer["seconds"] > 0
+    assert answer["before"] == [] and len(answer["after"]) == 3, answer
+    assert answer["missing"] == [] and answer["seconds"] > 0
 
 
 def test_the_reward_process_answers_without_importing_torch():

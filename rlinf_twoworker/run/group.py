@@ -1,7 +1,8 @@
 """Start every component as a Ray actor pinned to its bundle and GPU, and call them safely.
 
 A run starts the processes first (beside its preflight) and loads the models after the memory
-plan: `start`, `wait_placed`, then `load` (see `deferred`).
+plan: `start`, `wait_placed`, then `load` (see `ComponentHost`). The run's controller makes
+each process from its worker's name, without importing the worker's module (torch: seconds).
 
 Actor names are `<run_id>:<component>:<rank>` in namespace `rlinf_twoworker`, so operators
 find them with `ray list actors`. Every call goes through `call`, which applies a timeout and
@@ -11,6 +12,7 @@ turns any failure into a ComponentError naming the component, its rank and its n
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
@@ -39,43 +41,95 @@ class Member:
     """Its `import_ahead` call, made once it has answered (`wait_placed`)."""
 
 
-def deferred(cls: type, component: str) -> type:
-    """`cls` as a Ray actor whose creation only starts its process: the constructor records
-    its arguments, so the process answers `where` (its node, its GPUs) as soon as it has
-    imported its worker module; `import_ahead` imports what the real constructor will
-    (Worker.preimport); `load` runs the real constructor, which loads the model. The run
-    starts the processes beside the preflight and loads the models once the memory plan
-    has passed (`ComponentGroup.start`, `load`)."""
+HOST_METHODS = frozenset({"where", "import_ahead", "load", "startup_report", "ping"})
+"""The process's own methods; `call` runs every other one on its worker."""
 
-    class Deferred(cls):  # type: ignore[valid-type, misc]
-        def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
-            self._deferred = (cfg, rank)
-            self._placed_at = time.time()  # the process started and imported its module
-            self._load_began: float | None = None
 
-        def where(self) -> dict[str, Any]:
-            if self._load_began is None:
-                from rlinf_twoworker.workers.process import place
+class ComponentHost:
+    """One component's process. Its constructor only records its arguments, so the process
+    answers `where` (its node, the GPUs Ray gave it) as soon as Ray has started it;
+    `import_ahead` imports the worker's module and what its model load will
+    (Worker.preimport); `load` builds the worker (its constructor loads the model); `call`
+    runs a worker method. The run starts the processes beside the preflight and loads the
+    models once the memory plan has passed (`ComponentGroup.start`, `load`). Made for one
+    worker by `host_class`."""
 
-                return place(component, self._deferred[1])
-            return super().where()
+    WORKER: str | type = ""
+    """The worker: 'module:Class' (imported in this process only), or the class itself."""
+    COMPONENT = ""
 
-        def import_ahead(self) -> dict[str, Any]:
-            ahead = getattr(cls, "preimport", None)
-            return ahead(self._deferred[0], component) if ahead else {"seconds": 0.0}
+    def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
+        self._args = (cfg, rank)
+        self._placed_at = time.time()  # the process started and imported this module
+        self._load_began: float | None = None
+        self._cls: type | None = None
+        self._worker: Any = None
 
-        def load(self) -> dict[str, Any]:
-            self._load_began = time.time()
-            cls.__init__(self, *self._deferred)  # type: ignore[misc]
-            return self.where()
+    def _class(self) -> type:
+        if self._cls is None:
+            worker = self.WORKER
+            self._cls = components.worker_class(worker) if isinstance(worker, str) else worker
+        return self._cls
 
-        def startup_report(self) -> dict[str, Any]:
-            report = super().startup_report()  # began: the constructor's start, our load's
-            return {**report, "began": self._placed_at, "load_began": self._load_began}
+    def where(self) -> dict[str, Any]:
+        if self._worker is None:
+            from rlinf_twoworker.workers.process import place
 
-    Deferred.__name__ = cls.__name__  # how `ray list actors` names it
-    Deferred.__doc__ = cls.__doc__
-    return Deferred
+            return place(self.COMPONENT, self._args[1])
+        return self._worker.where()
+
+    def import_ahead(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        cls = self._class()  # the worker's module: torch, the library's engines
+        ahead = getattr(cls, "preimport", None)
+        answer = ahead(self._args[0], self.COMPONENT) if ahead else {}
+        return {**answer, "seconds": time.perf_counter() - start}
+
+    def load(self) -> dict[str, Any]:
+        self._load_began = time.time()
+        self._worker = self._class()(*self._args)
+        return self._worker.where()
+
+    def ping(self) -> bool:
+        return True
+
+    def startup_report(self) -> dict[str, Any]:
+        report = self._method("startup_report")()
+        return {**report, "began": self._placed_at, "load_began": self._load_began}
+
+    def _method(self, name: str) -> Any:
+        if self._worker is None:
+            raise RuntimeError(
+                f"{self.COMPONENT}:{self._args[1]}: {name} was called before the worker was "
+                "built (its load); a library bug"
+            )
+        return getattr(self._worker, name)
+
+
+class _SyncHost(ComponentHost):
+    def call(self, method: str, *args: Any) -> Any:
+        return self._method(method)(*args)
+
+
+class _AsyncHost(ComponentHost):
+    async def call(self, method: str, *args: Any) -> Any:
+        result = self._method(method)(*args)
+        return await result if inspect.isawaitable(result) else result
+
+
+def host_class(worker: str | type, component: str, asynchronous: bool | None = None) -> type:
+    """The Ray actor class of `component`'s process, running `worker` ('module:Class', or a
+    class). `asynchronous`: whether the worker has async methods (then its calls run on an
+    event loop); None reads it from the class."""
+    if asynchronous is None:
+        if isinstance(worker, str):
+            raise ValueError(f"{component}: say whether {worker} has async methods")
+        asynchronous = any(inspect.iscoroutinefunction(f) for _, f in inspect.getmembers(worker))
+    name = worker.rpartition(":")[2] if isinstance(worker, str) else worker.__name__
+    base = _AsyncHost if asynchronous else _SyncHost
+    doc = f"The process of component {component} ({name}): see ComponentHost."
+    # Named after the worker: `ray list actors` shows RolloutWorker, not a host.
+    return type(name, (base,), {"WORKER": worker, "COMPONENT": component, "__doc__": doc})
 
 
 class ComponentGroup:
@@ -96,7 +150,11 @@ class ComponentGroup:
         self.bundle_nodes = bundle_nodes or []
         table = {c.name: c for c in components.in_run(cfg)}
         self.table = table
-        self.classes = {**{n: c.worker_class() for n, c in table.items()}, **(classes or {})}
+        self.workers: dict[str, str | type] = {
+            **{n: c.worker for n, c in table.items()},
+            **(classes or {}),
+        }
+        """Each component's worker: the table's 'module:Class', or a class the caller gave."""
         self.members: dict[str, list[Member]] = {}
         self.timeouts = cfg.runner.timeouts
         self.stopping = False
@@ -104,11 +162,12 @@ class ComponentGroup:
         """Preparation calls in flight (start_preparing), awaited after step 1."""
 
     def start(self) -> None:
-        """Create every actor: each process starts and imports its worker module, and no
-        model is loaded (`deferred`); `wait_placed` awaits their first answers, `load` their
-        models."""
+        """Create every actor: each process starts, and no model is loaded
+        (`ComponentHost`); `wait_placed` awaits their first answers, `load` their models."""
         for slot in self.placement.slots:
-            cls = deferred(self.classes[slot.component], slot.component)
+            worker, entry = self.workers[slot.component], self.table[slot.component]
+            asynchronous = entry.asynchronous if isinstance(worker, str) else None
+            cls = host_class(worker, slot.component, asynchronous)
             options = scheduling_options(self.pg, self.placement, slot)
             remote: Any = ray.remote(cls).options(
                 name=f"{self.run_id}:{slot.component}:{slot.rank}",
@@ -237,7 +296,11 @@ class ComponentGroup:
         self, member: Member, method: str, *args: Any, timeout: float, stage: str
     ) -> Any:
         """One remote call with a timeout; any failure names component, rank and node."""
-        ref = getattr(member.handle, method).remote(*args)
+        if method in HOST_METHODS:
+            ref = getattr(member.handle, method).remote(*args)
+        else:  # the worker's, named in Ray's task list as <Worker>.<method>
+            who = f"{member.slot.component}:{member.slot.rank}.{method}"
+            ref = member.handle.call.options(name=who).remote(method, *args)
         try:
             return await asyncio.wait_for(ref, timeout)
         except asyncio.TimeoutError:

@@ -55,7 +55,7 @@ async def log_startup(
     group: ComponentGroup, cfg: GRPOConfig, clock: StartupClock, log: RunLog, began: float
 ) -> None:
     """Each component's start-up into the record: spawn (the controller's request, at wall
-    clock `began`, to its process's first answer: run/group.deferred), import_ahead (the
+    clock `began`, to its process's first answer: run/group.ComponentHost), import_ahead (the
     imports it made beside the preflight), init (its constructor, after the memory plan),
     with its model load (its preparation, the compile cache's and the reward's, is reported
     by `prepared`)."""
@@ -72,7 +72,7 @@ async def log_startup(
                 clock.record(f"{phase}/{who}", seconds)
         if id(member) in ahead and ahead[id(member)].get("seconds"):
             clock.record(f"import_ahead/{who}", ahead[id(member)]["seconds"])
-        if member.ready_at is not None:  # load_began: when group.deferred's load began
+        if member.ready_at is not None:  # load_began: when ComponentHost.load began
             clock.record(f"init/{who}", member.ready_at - report["load_began"])
         for part, seconds in report["seconds"].items():  # load, grader_start
             clock.record(f"{part}/{who}", seconds)

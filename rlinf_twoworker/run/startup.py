@@ -13,10 +13,12 @@ overlap one another):
     spawn/<c>:<r>    one component's request to its process's first answer, inside
                      `component_start`, in parts: process/ (Ray's scheduling and worker
                      pool), worker_boot/ (the interpreter and Ray's worker, up to the
-                     library's import) and imports/ (the component's worker module)
-    import_ahead/<c>:<r>  what its model load will import (transformers' classes, the model's
-                     family), from its first answer on, beside the preflight; on GPUs it then
-                     starts a thread importing torch.compile's stack (compiler_imports/)
+                     library's import) and imports/ (the library's process module,
+                     run/group.py; no torch)
+    import_ahead/<c>:<r>  its worker module (torch) and what its model load will import
+                     (transformers' classes, the model's family), from its first answer on,
+                     beside the preflight; on GPUs it then starts a thread importing
+                     torch.compile's stack (compiler_imports/)
     controller_imports  the controller's training modules (torch), imported in a thread from
                      the components' request on; recorded before the process groups
     preflight        every node's probe done (the probes check the GPUs the components hold)
