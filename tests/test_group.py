@@ -76,6 +76,19 @@ def test_an_async_worker_gets_an_event_loop_host_that_awaits_its_calls():
         host_class("rlinf_twoworker.workers.rollout:RolloutWorker", "rollout")
 
 
+def test_a_worker_that_does_not_import_is_a_named_error():
+    """The process imports its worker only ahead of its load: a module missing on the node
+    fails there, naming the component, its rank, the worker and what to do."""
+    component = host_class("rlinf_twoworker.workers.no_such_worker:Nothing", "rollout", False)(
+        {}, 1
+    )
+    assert component.where()["component"] == "rollout"  # the process itself is up
+    with pytest.raises(ImportError, match=r"rollout:1: its worker .*no_such_worker.* install"):
+        component.import_ahead()
+    with pytest.raises(ImportError, match="does not import in this process"):
+        component.load()
+
+
 def test_the_table_says_which_workers_are_async():
     """The run makes each process from its worker's name without importing it, so the table
     says whether the worker has async methods; it must match the class."""

@@ -68,7 +68,18 @@ class ComponentHost:
     def _class(self) -> type:
         if self._cls is None:
             worker = self.WORKER
-            self._cls = components.worker_class(worker) if isinstance(worker, str) else worker
+            if not isinstance(worker, str):
+                self._cls = worker
+                return worker
+            try:
+                self._cls = components.worker_class(worker)
+            except Exception as exc:  # the first import of torch and the engines, here
+                raise ImportError(
+                    f"{self.COMPONENT}:{self._args[1]}: its worker {worker} does not import in "
+                    f"this process ({type(exc).__name__}: {exc}); install the library and its "
+                    "dependencies in this node's Python environment (`rlinf-twoworker "
+                    "preflight` checks the modules a run needs)"
+                ) from exc
         return self._cls
 
     def where(self) -> dict[str, Any]:
