@@ -181,3 +181,52 @@ def test_the_controller_process_starts_without_torch():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[] True True"
+
+
+def test_import_ahead_leaves_the_compiler_to_a_thread_on_gpus_only(tmp_path):
+    """On GPUs, Worker.preimport returns once the model load's modules are imported and
+    starts one thread that imports torch.compile's stack (prepare_compiler waits for it);
+    on CPU it starts none. In fresh interpreters (preimport touches no GPU either way)."""
+    import json
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from rlinf_twoworker.api.demo import demo_config, make_inputs
+
+    inputs = make_inputs(tmp_path / "inputs")
+    cfg = OmegaConf.to_container(
+        OmegaConf.structured(demo_config(inputs, tmp_path, "compiler", [])), resolve=True
+    )
+    script = (
+        "import json, sys\n"
+        "from omegaconf import OmegaConf\n"
+        "from rlinf_twoworker.config import GRPOConfig, to_typed\n"
+        "from rlinf_twoworker.workers import base\n"
+        "from rlinf_twoworker.workers.inference import InferenceWorker\n"
+        "cfg = to_typed(OmegaConf.merge(OmegaConf.structured(GRPOConfig), json.loads(sys.argv[1])))\n"
+        "InferenceWorker.preimport(cfg, 'inference')\n"
+        "first = base._compiler_imports\n"
+        "InferenceWorker.preimport(cfg, 'inference')\n"  # a second call starts no second one
+        "same = base._compiler_imports is first\n"
+        "if first is not None:\n"
+        "    first.join(300)\n"
+        "print(json.dumps({'thread': None if first is None else first.name, 'same': same,\n"
+        "    'imported': [m for m in base.COMPILER_MODULES if m in sys.modules]}))\n"
+    )
+    answers = {}
+    for accelerator in ("cuda", "cpu"):
+        cfg["cluster"]["accelerator"] = accelerator
+        done = subprocess.run(
+            [sys.executable, "-c", script, json.dumps(cfg)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        answers[accelerator] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert answers["cuda"]["thread"] == "compiler-imports" and answers["cuda"]["same"]
+    assert answers["cuda"]["imported"] == ["torch._dynamo", "torch._inductor.compile_fx"]
+    assert answers["cpu"]["thread"] is None
+    assert "torch._inductor.compile_fx" not in answers["cpu"]["imported"]

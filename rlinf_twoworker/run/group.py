@@ -41,10 +41,6 @@ class Member:
     """Its `import_ahead` call, made once it has answered (`wait_placed`)."""
 
 
-HOST_METHODS = frozenset({"where", "import_ahead", "load", "startup_report", "ping"})
-"""The process's own methods; `call` runs every other one on its worker."""
-
-
 class ComponentHost:
     """One component's process. Its constructor only records its arguments, so the process
     answers `where` (its node, the GPUs Ray gave it) as soon as Ray has started it;
@@ -115,6 +111,13 @@ class ComponentHost:
                 "built (its load); a library bug"
             )
         return getattr(self._worker, name)
+
+
+HOST_METHODS = frozenset(
+    name for name, f in vars(ComponentHost).items() if callable(f) and not name.startswith("_")
+)
+"""The process's own methods (where, import_ahead, load, ping, startup_report); `call` runs
+every other one on its worker."""
 
 
 class _SyncHost(ComponentHost):

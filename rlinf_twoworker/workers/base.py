@@ -39,14 +39,18 @@ _compiler_imports: threading.Thread | None = None
 """The thread `Worker.preimport` starts to import COMPILER_MODULES (one a process)."""
 
 
-def _import_compiler() -> None:
+def import_compiler() -> None:
     import importlib
 
     for name in COMPILER_MODULES:
-        try:
-            importlib.import_module(name)
-        except Exception:  # prepare_compiler imports them again and raises with the context
-            return
+        importlib.import_module(name)
+
+
+def _import_compiler_quietly() -> None:
+    try:
+        import_compiler()
+    except Exception:  # prepare_compiler imports them again and raises with the context
+        pass
 
 
 def free_port(host: str) -> int:
@@ -84,7 +88,7 @@ class Worker:
         missing = preimport_model(path, cls.PREIMPORTS) if path else []
         if cfg.cluster.accelerator == "cuda" and _compiler_imports is None:
             _compiler_imports = threading.Thread(
-                target=_import_compiler, name="compiler-imports", daemon=True
+                target=_import_compiler_quietly, name="compiler-imports", daemon=True
             )
             _compiler_imports.start()
         return {"seconds": time.perf_counter() - start, "missing": missing}
@@ -125,10 +129,7 @@ class Worker:
         start = time.perf_counter()
         if _compiler_imports is not None:  # started by preimport: usually done by now
             _compiler_imports.join()
-        import importlib
-
-        for name in COMPILER_MODULES:
-            importlib.import_module(name)
+        import_compiler()
         imported = time.perf_counter()
         event = self.compile_cache.load()
         self._compiler_ready = True
