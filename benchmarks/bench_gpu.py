@@ -669,6 +669,7 @@ def _tutorial_job(
         "startup_phases_s": first.startup,
         "step1_stages_s": first.timings,
         "step2_s": second.timings["time/step"],
+        "step2_stages_s": second.timings,
         # The actor stage's rate inside the real step (answer tokens only; prompts are short).
         "actor_answer_tokens_per_s_step2": (
             second.metrics["rollout/response_length"]

@@ -230,3 +230,62 @@ def test_import_ahead_leaves_the_compiler_to_a_thread_on_gpus_only(tmp_path):
     assert answers["cuda"]["imported"] == ["torch._dynamo", "torch._inductor.compile_fx"]
     assert answers["cpu"]["thread"] is None
     assert "torch._inductor.compile_fx" not in answers["cpu"]["imported"]
+
+
+class Records:
+    """A worker that records the order of its calls; `fail` raises."""
+
+    def __init__(self, cfg: dict, rank: int = 0) -> None:
+        self.seen: list[str] = []
+
+    def slow(self, label: str) -> None:
+        import time
+
+        time.sleep(0.5)  # long enough for a later call to arrive while it runs
+        self.seen.append(label)
+
+    def fail(self) -> None:
+        raise RuntimeError("bucket already freed")
+
+    def order(self) -> list[str]:
+        return self.seen
+
+    def where(self) -> dict:
+        return {}
+
+
+def test_a_call_nobody_waits_for_runs_before_later_calls_and_settle_raises_its_failure(
+    cluster_2x2,
+):
+    """The weight sync's release (`call_behind`): the process runs it before any call made
+    after it, and its failure is raised by `settle` with component, rank and node."""
+    import sys
+
+    import ray
+
+    from rlinf_twoworker.config.placement import Slot
+    from rlinf_twoworker.errors import ComponentError
+    from rlinf_twoworker.run.group import ComponentGroup, Member
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # not importable there
+    handle = ray.remote(num_cpus=0)(host_class(Records, "actor")).remote({}, 0)
+    ray.get(handle.load.remote())
+    member = Member(Slot("actor", 0, 0, 0, 0), handle, {"ip": "127.0.0.1", "node_id": "n1"})
+    group = ComponentGroup.__new__(ComponentGroup)  # only the calls: no placement, no config
+    group.behind = []
+
+    async def scenario() -> list[str]:
+        group.call_behind(member, "slow", "release", timeout=30, stage="weight release")
+        # Made right after, without awaiting the first: it still runs second.
+        order = await group.call(member, "order", timeout=30, stage="check")
+        await group.settle()
+        group.call_behind(member, "fail", timeout=30, stage="weight release")
+        with pytest.raises(ComponentError, match=r"actor.*rank 0.*weight release \(fail\) failed"):
+            await group.settle()
+        assert group.behind == []
+        return order
+
+    try:
+        assert asyncio.run(scenario()) == ["release"]
+    finally:
+        ray.kill(handle)

@@ -544,6 +544,7 @@ class RunController:
                     )
                     self.log.info(f"CHECKPOINT step={step} dir={info.directory}")
                     self._checkpoint_future(step).set(info)
+            await group.settle()  # calls nothing waited for (the last sync's release)
         finally:
             writer.close()
         self.log.info(f"Step limit given by max_steps={self.total_steps} reached. Stopping run")

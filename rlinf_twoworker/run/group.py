@@ -174,6 +174,8 @@ class ComponentGroup:
         self.stopping = False
         self.preparing: list[tuple[Member, asyncio.Future]] = []
         """Preparation calls in flight (start_preparing), awaited after step 1."""
+        self.behind: list[asyncio.Future] = []
+        """Calls nothing waits for yet (call_behind), awaited by `settle`."""
 
     def start(self) -> None:
         """Create every actor: each process starts, and no model is loaded
@@ -306,15 +308,22 @@ class ComponentGroup:
         host = f"{w['host']}/" if w.get("host") else ""
         return f"{host}{w.get('ip', '?')} node {str(w.get('node_id', '?'))[:8]}"
 
-    async def call(
+    def call(
         self, member: Member, method: str, *args: Any, timeout: float, stage: str
-    ) -> Any:
-        """One remote call with a timeout; any failure names component, rank and node."""
+    ) -> Awaitable[Any]:
+        """One remote call with a timeout; any failure names component, rank and node. The
+        call is submitted here, when it is made (not when awaited): calls to one component
+        run in the order they were made."""
         if method in HOST_METHODS:
             ref = getattr(member.handle, method).remote(*args)
         else:  # the worker's, named in Ray's task list as <Worker>.<method>
             who = f"{member.slot.component}:{member.slot.rank}.{method}"
             ref = member.handle.call.options(name=who).remote(method, *args)
+        return self._answer(ref, member, method, timeout, stage)
+
+    async def _answer(
+        self, ref: Any, member: Member, method: str, timeout: float, stage: str
+    ) -> Any:
         try:
             return await asyncio.wait_for(ref, timeout)
         except asyncio.TimeoutError:
@@ -334,6 +343,22 @@ class ComponentGroup:
                 self.describe(member),
                 f"{stage} ({method}) failed: {short_reason(exc)}",
             ) from exc
+
+    def call_behind(
+        self, member: Member, method: str, *args: Any, timeout: float, stage: str
+    ) -> None:
+        """Make a call whose answer nothing waits for now: it runs in the component before
+        any later call to it, and `settle` raises its failure (the next weight sync settles,
+        and so does the end of the run)."""
+        task = asyncio.ensure_future(self.call(member, method, *args, timeout=timeout, stage=stage))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by settle
+        self.behind.append(task)
+
+    async def settle(self) -> None:
+        """Wait for every call made with `call_behind`; raise the first failure."""
+        tasks, self.behind = self.behind, []
+        if tasks:
+            await gather_fail_fast(tasks)
 
     async def call_each(
         self,
