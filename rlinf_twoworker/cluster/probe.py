@@ -26,6 +26,7 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 
 from rlinf_twoworker import components
+from rlinf_twoworker.bytecode import BytecodeCache
 from rlinf_twoworker.config import GRPOConfig, to_typed
 from rlinf_twoworker.errors import PreflightError
 from rlinf_twoworker.storage.manifest import verify_input
@@ -110,6 +111,21 @@ def import_in_subprocesses(names: list[str]) -> tuple[dict[str, str], list[tuple
     if count == 0 or not names:  # a small host: here, where torch is imported once for all
         return _import_here(names)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    if sys.pycache_prefix:  # this probe keeps bytecode in the compile cache: so do they
+        cached = {**env, "PYTHONPYCACHEPREFIX": sys.pycache_prefix, "PYTHONDONTWRITEBYTECODE": ""}
+        versions, failed = _import_each(names, count, cached)
+        if failed:  # a damaged cache entry fails an import: those again without the cache
+            again, failed = _import_each([n for n, _ in failed], count, env)
+            versions.update(again)
+        return versions, failed
+    return _import_each(names, count, env)
+
+
+def _import_each(
+    names: list[str], count: int, env: dict[str, str]
+) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """`names` imported in `count` processes with environment `env`."""
+    count = min(count, len(names))
     groups = [names[i::count] for i in range(count) if names[i::count]]
     procs = [
         (
@@ -173,6 +189,9 @@ class NodeProbe:
         holds none: preflight.Beside); None: the GPUs Ray gave this probe."""
         cfg = _as_typed(cfg)
         pre = cfg.cluster.preflight
+        who = f"preflight node {node_rank}"
+        bytecode = BytecodeCache()  # where the node keeps no bytecode, the compile cache does
+        bytecode.use(cfg.compile_cache_root, who)
         r: dict[str, Any] = {"node_rank": node_rank, "hostname": socket.gethostname()}
         r.update(ip=self.node_ip(), node_id=None, ray_gpu_ids=[], python_prefix=sys.prefix)
         r.update(python_version=sys.version.split()[0], accelerator=cfg.cluster.accelerator)
@@ -222,6 +241,8 @@ class NodeProbe:
             hashing = pool.submit(verify_manifests)
             importing = pool.submit(import_modules)
             drivers = pool.submit(_driver_versions) if cuda else None
+            if cuda:  # the GPU check's torch, from the bytecode cache unless an entry is bad
+                bytecode.guarded(lambda: importlib.import_module("torch"), who)
             self._check_gpus(cfg, r, fail, drivers)
             lap("gpus")
             ib = os.environ.get("NCCL_IB_DISABLE")
@@ -250,6 +271,7 @@ class NodeProbe:
         lap("manifests_wait")
         r["seconds"] = seconds
         r["errors"] = errors
+        r["bytecode_cache"] = bytecode.take()
         return r
 
     def _check_gpus(

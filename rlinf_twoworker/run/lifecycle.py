@@ -72,6 +72,11 @@ async def log_startup(
                 clock.record(f"{phase}/{who}", seconds)
         if id(member) in ahead and ahead[id(member)].get("seconds"):
             clock.record(f"import_ahead/{who}", ahead[id(member)]["seconds"])
+        bytecode = ahead.get(id(member), {}).get("bytecode", {})
+        for line in bytecode.get("lines", []):
+            log.detail(f"BYTECODE_CACHE {line}")
+        for line in bytecode.get("warnings", []):
+            log.info(f"BYTECODE_CACHE {line}")
         if member.ready_at is not None:  # load_began: when ComponentHost.load began
             clock.record(f"init/{who}", member.ready_at - report["load_began"])
         for part, seconds in report["seconds"].items():  # load, grader_start
