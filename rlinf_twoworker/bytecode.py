@@ -74,7 +74,7 @@ def cache_dir(root: Path) -> Path:
     """This interpreter's bytecode directory in the compile cache at `root`: one per
     interpreter (its version and installation), so nodes of one image share it."""
     who = hashlib.sha256(f"{sys.version}\0{sys.prefix}\0{sys.executable}".encode()).hexdigest()
-    return Path(root) / SUBDIR / f"{sys.implementation.cache_tag}-{who[:12]}"
+    return Path(root).absolute() / SUBDIR / f"{sys.implementation.cache_tag}-{who[:12]}"
 
 
 class BytecodeCache:
