@@ -656,10 +656,15 @@ def _answers_fast(handle, phase_prefix: str, deadline_s: float = 60) -> dict:
 
 
 def test_status_and_cancel_answer_at_once_during_a_slow_preflight(cluster_2x2, inputs, tmp_path):
-    """Every wait of the controller is awaited: while the probes work, status() answers in
-    under a second and cancel() stops the run at once."""
+    """Every wait of the controller is awaited: while the probes work (each sleeps 8 s first),
+    status() answers in under a second and cancel() stops the run at once. Timed once the
+    components' processes have answered: right as the preflight begins, the controller itself
+    creates those processes and the probes and starts importing torch in a thread, which on
+    a loaded 2-core host held its event loop for 1-3 s (work, not a wait; measured in
+    session 17)."""
     cfg = demo_config(inputs, tmp_path, "slow-preflight", [])
     handle = run_grpo_two_worker(cfg, component_classes={"probe": SlowProbe})
+    wait_until(lambda: "component_start" in handle.status()["startup"], 60, "component start")
     _answers_fast(handle, "preflight")
     started = time.monotonic()
     handle.cancel()
