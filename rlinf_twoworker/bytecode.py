@@ -21,6 +21,7 @@ No torch here: the processes call this before their first import of it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -143,3 +144,11 @@ class BytecodeCache:
         taken = {"lines": self.lines, "warnings": self.warnings}
         self.lines, self.warnings = [], []
         return taken
+
+
+@functools.cache
+def for_this_process() -> BytecodeCache:
+    """The process's one BytecodeCache (`sys.pycache_prefix` is the process's): a component
+    host and a preflight probe in one process share it, so either one's `guarded` knows the
+    cache is in use."""
+    return BytecodeCache()

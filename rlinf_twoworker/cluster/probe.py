@@ -26,7 +26,7 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 
 from rlinf_twoworker import components
-from rlinf_twoworker.bytecode import BytecodeCache
+from rlinf_twoworker.bytecode import for_this_process
 from rlinf_twoworker.config import GRPOConfig, to_typed
 from rlinf_twoworker.errors import PreflightError
 from rlinf_twoworker.storage.manifest import verify_input
@@ -190,7 +190,7 @@ class NodeProbe:
         cfg = _as_typed(cfg)
         pre = cfg.cluster.preflight
         who = f"preflight node {node_rank}"
-        bytecode = BytecodeCache()  # where the node keeps no bytecode, the compile cache does
+        bytecode = for_this_process()  # where the node keeps no bytecode, the compile cache does
         bytecode.use(cfg.compile_cache_root, who)
         r: dict[str, Any] = {"node_rank": node_rank, "hostname": socket.gethostname()}
         r.update(ip=self.node_ip(), node_id=None, ray_gpu_ids=[], python_prefix=sys.prefix)

@@ -12,7 +12,6 @@ turns any failure into a ComponentError naming the component, its rank and its n
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import time
 from collections.abc import Awaitable, Sequence
@@ -21,8 +20,7 @@ from typing import Any
 
 import ray
 
-from rlinf_twoworker import components
-from rlinf_twoworker.bytecode import BytecodeCache
+from rlinf_twoworker import bytecode, components
 from rlinf_twoworker.cluster.connect import NAMESPACE
 from rlinf_twoworker.cluster.placement import scheduling_options
 from rlinf_twoworker.config import GRPOConfig
@@ -90,7 +88,7 @@ class ComponentHost:
     def import_ahead(self) -> dict[str, Any]:
         start = time.perf_counter()
         cfg, who = self._args[0], f"{self.COMPONENT}:{self._args[1]}"
-        cache = _bytecode()
+        cache = bytecode.for_this_process()
         # Where the environment keeps no bytecode, the compile cache keeps it (bytecode.py).
         cache.use(getattr(cfg, "compile_cache_root", None), who)
         cls = cache.guarded(self._class, who)  # the worker's module: torch, the engines
@@ -117,12 +115,6 @@ class ComponentHost:
                 "built (its load); a library bug"
             )
         return getattr(self._worker, name)
-
-
-@functools.cache
-def _bytecode() -> BytecodeCache:
-    """This process's bytecode cache (one a process)."""
-    return BytecodeCache()
 
 
 HOST_METHODS = frozenset(
