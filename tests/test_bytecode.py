@@ -147,3 +147,17 @@ def test_the_preflights_import_check_uses_the_cache_and_retries_a_damaged_entry_
     versions, failed = probe.import_in_subprocesses(["fakepkg.m0", "fakepkg.m1"])
     assert failed == [] and set(versions) == {"fakepkg.m0", "fakepkg.m1"}
     assert list(root.rglob("m1.*.pyc"))  # written by the check, into the probe's cache
+
+
+def test_the_caches_lines_go_to_main_log_and_its_warnings_to_the_driver_log_too(tmp_path):
+    from rlinf_twoworker.run.lifecycle import log_bytecode_cache
+    from rlinf_twoworker.storage.rundir import DRIVER_LOG, MAIN_LOG, RunLog
+
+    (tmp_path / MAIN_LOG).parent.mkdir(parents=True)
+    log = RunLog(tmp_path)
+    log_bytecode_cache(log, {"lines": ["rollout:0 warm /c"], "warnings": ["actor:0 not used"]})
+    log_bytecode_cache(log, None)  # a process that reported nothing (an older worker)
+    main = (tmp_path / MAIN_LOG).read_text()
+    assert "BYTECODE_CACHE rollout:0 warm /c" in main and "BYTECODE_CACHE actor:0 not used" in main
+    driver = (tmp_path / DRIVER_LOG).read_text()
+    assert driver == "BYTECODE_CACHE actor:0 not used\n"

@@ -354,11 +354,7 @@ class RunController:
         for node in report.nodes:  # where the preflight's time went, node by node
             for check, seconds in (node.get("seconds") or {}).items():
                 clock.record(f"preflight/node{node['node_rank']}/{check}", seconds)
-            bytecode = node.get("bytecode_cache") or {}
-            for line in bytecode.get("lines", []):
-                self.log.detail(f"BYTECODE_CACHE {line}")
-            for line in bytecode.get("warnings", []):
-                self.log.info(f"BYTECODE_CACHE {line}")
+            lifecycle.log_bytecode_cache(self.log, node.get("bytecode_cache"))
         if report.collective is not None and "seconds" in report.collective:
             clock.record("preflight/collective", report.collective["seconds"])
         self.phase = "loading data"

@@ -72,11 +72,7 @@ async def log_startup(
                 clock.record(f"{phase}/{who}", seconds)
         if id(member) in ahead and ahead[id(member)].get("seconds"):
             clock.record(f"import_ahead/{who}", ahead[id(member)]["seconds"])
-        bytecode = ahead.get(id(member), {}).get("bytecode", {})
-        for line in bytecode.get("lines", []):
-            log.detail(f"BYTECODE_CACHE {line}")
-        for line in bytecode.get("warnings", []):
-            log.info(f"BYTECODE_CACHE {line}")
+        log_bytecode_cache(log, ahead.get(id(member), {}).get("bytecode"))
         if member.ready_at is not None:  # load_began: when ComponentHost.load began
             clock.record(f"init/{who}", member.ready_at - report["load_began"])
         for part, seconds in report["seconds"].items():  # load, grader_start
@@ -87,6 +83,15 @@ async def log_startup(
             f"STARTUP preloaded workers (rlinf_twoworker.preload): {', '.join(preloaded)} of "
             f"{len(answers)} components"
         )
+
+
+def log_bytecode_cache(log: RunLog, taken: dict[str, list[str]] | None) -> None:
+    """A process's BytecodeCache.take() into the log: its lines to main.log, its warnings to
+    the console as well."""
+    for line in (taken or {}).get("lines", []):
+        log.detail(f"BYTECODE_CACHE {line}")
+    for line in (taken or {}).get("warnings", []):
+        log.info(f"BYTECODE_CACHE {line}")
 
 
 def spawn_parts(report: dict[str, Any], requested: float) -> dict[str, float]:
