@@ -97,6 +97,12 @@ class BytecodeCache:
         lacking = without_bytecode(SAMPLES if samples is None else samples)
         if not lacking:
             return
+        from rlinf_twoworker.storage.private_dir import private_dir_problem
+
+        problem = private_dir_problem(root)  # Python runs what it finds there
+        if problem is not None:
+            self.warnings.append(f"{who} not used: {problem}")
+            return
         where = cache_dir(root)
         try:
             where.mkdir(parents=True, exist_ok=True)

@@ -56,3 +56,7 @@ class RunCancelledError(TwoWorkerError):
 
 class VerificationError(TwoWorkerError):
     """The postflight found a problem in the run directory."""
+
+
+class CheckpointReadError(TwoWorkerError):
+    """A checkpoint's files are missing, damaged or unreadable; the message names the file."""

@@ -161,3 +161,14 @@ def test_the_caches_lines_go_to_main_log_and_its_warnings_to_the_driver_log_too(
     assert "BYTECODE_CACHE rollout:0 warm /c" in main and "BYTECODE_CACHE actor:0 not used" in main
     driver = (tmp_path / DRIVER_LOG).read_text()
     assert driver == "BYTECODE_CACHE actor:0 not used\n"
+
+
+def test_a_cache_others_can_write_is_not_used_and_said_once(tmp_path):
+    make_package(tmp_path / "site", modules=3)
+    root = tmp_path / "cache"
+    root.mkdir()
+    os.chmod(root, 0o777)  # anyone could plant bytecode there: Python would run it
+    done = run(tmp_path / "site", root, modules=3)
+    assert done["values"] == [0, 1, 2] and done["prefix"] is None and done["lines"] == []
+    assert len(done["warnings"]) == 1 and "writable by others" in done["warnings"][0]
+    assert not list(root.rglob("*.pyc"))

@@ -142,3 +142,34 @@ def test_readback_refuses_a_run_without_a_passed_postflight(run_dir, tmp_path):
     (copy / "verification.json").unlink()
     done = cli("readback", str(copy))
     assert done.returncode == 1 and "verification.json is missing" in done.stdout
+
+
+class Planted:
+    """What an attacker leaves on shared storage: unpickling it runs a shell command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.slow
+def test_a_planted_pickle_runs_in_no_command(run_dir, tmp_path):
+    """A copy of the finished run whose .metadata is a crafted pickle: every command that reads
+    the run refuses it, naming the file, and the payload never runs."""
+    import pickle
+
+    marker = tmp_path / "payload-ran"
+    copy = shutil.copytree(run_dir, tmp_path / "planted")
+    (copy / DCP / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
+    verified = cli("verify", str(copy))
+    assert verified.returncode != 0 and ".metadata" in verified.stdout + verified.stderr
+    read = cli("readback", str(copy))
+    status = lines_with("READBACK_STATUS=failed error=", read.stdout)
+    assert read.returncode == 1 and len(status) == 1 and ".metadata" in status[0], read.stdout
+    exported = cli("export-hf", str(copy), "--step", "2", "--out", str(tmp_path / "hf"))
+    assert exported.returncode == 1 and not (tmp_path / "hf").exists()
+    reported = cli("report", str(copy), "--no-plot")
+    assert reported.returncode == 0, reported.stdout + reported.stderr  # reads no checkpoint
+    assert not marker.exists()

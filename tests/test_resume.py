@@ -17,11 +17,12 @@ import ray
 import torch
 
 from rlinf_twoworker import TwoWorkerError, run_grpo_two_worker
-from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.api.demo import DemoInputs, demo_config, make_inputs
 from rlinf_twoworker.api.report import load_scalars
 from rlinf_twoworker.config import to_typed, to_yaml
 from rlinf_twoworker.results import StepResult
 from rlinf_twoworker.storage.checkpoints import resume_source
+from rlinf_twoworker.storage.lineage import LINEAGE_JSON
 from rlinf_twoworker.storage.readback import load_dcp
 
 TIMEOUT = 300
@@ -57,6 +58,7 @@ class Runs:
     unbroken_steps: list[StepResult]
     resumed_steps: list[StepResult]
     resumed_checkpoint_2: str
+    inputs: DemoInputs
 
 
 def finish(cfg) -> tuple[Path, list[StepResult], object]:
@@ -91,7 +93,7 @@ def runs(cluster_2x2, tmp_path_factory) -> Runs:
     )
     resumed, resumed_steps, handle = finish(resumed_cfg)
     inherited = ray.get(handle.checkpoint(2), timeout=30).directory
-    return Runs(unbroken, first_half, resumed, unbroken_steps, resumed_steps, inherited)
+    return Runs(unbroken, first_half, resumed, unbroken_steps, resumed_steps, inherited, inputs)
 
 
 @pytest.mark.slow
@@ -136,15 +138,19 @@ def test_auto_resume_records_its_source_and_skips_the_decoys(runs):
 
 
 def copy_checkpoint(source: Path, run_dir: Path, step: int, mtime: float) -> Path:
+    """A copy of a complete checkpoint in a run of the first half's lineage."""
     target = shutil.copytree(source, run_dir / "checkpoints" / f"global_step_{step}")
     os.utime(target / "actor" / "dcp_checkpoint" / ".metadata", (mtime, mtime))
+    lineage = source.parent.parent / LINEAGE_JSON
+    if not (run_dir / LINEAGE_JSON).exists():
+        shutil.copy(lineage, run_dir / LINEAGE_JSON)
     return target
 
 
 @pytest.mark.slow
 def test_auto_takes_the_newest_complete_checkpoint_only(runs, tmp_path):
     complete = runs.first_half / "checkpoints" / "global_step_2"
-    cfg = to_typed(demo_config(make_inputs(tmp_path / "in"), tmp_path, "new", SETTINGS))
+    cfg = to_typed(demo_config(runs.inputs, tmp_path, "new", SETTINGS))
     cfg.runner.resume_dir = "auto"
     old = copy_checkpoint(complete, tmp_path / "old", 2, 1_000)
     newer = copy_checkpoint(complete, tmp_path / "newer", 2, 2_000)
@@ -162,7 +168,7 @@ def test_auto_takes_the_newest_complete_checkpoint_only(runs, tmp_path):
         resume_source(cfg, tmp_path / "new")
     shutil.rmtree(old)
     cfg.runner.resume_dir = "auto"
-    with pytest.raises(TwoWorkerError, match="no run with a complete checkpoint"):
+    with pytest.raises(TwoWorkerError, match="of this run's lineage with a complete checkpoint"):
         resume_source(cfg, tmp_path / "new")
 
 

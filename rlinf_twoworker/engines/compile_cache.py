@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from rlinf_twoworker.storage.private_dir import private_dir_problem
+
 MAGIC = b"rlinf-twoworker compile cache v1\n"
 DIGEST_BYTES = 32
 LOCK_TIMEOUT_S = 60.0
@@ -103,8 +105,9 @@ def compile_seconds() -> float:
 
 @dataclass
 class CacheEvent:
-    """What the cache did, for the run's log: `state` is off, cold (no entry), warm (loaded),
-    corrupt (an entry that did not load: moved aside) or saved."""
+    """What the cache did, for the run's log: `state` is off, skipped (a directory others
+    could write: not used), cold (no entry), warm (loaded), corrupt (an entry that did not
+    load: moved aside) or saved."""
 
     state: str
     path: str = ""
@@ -135,6 +138,10 @@ class CompileCache:
     def _load(self) -> CacheEvent:
         if self.path is None:
             return CacheEvent("off")
+        problem = private_dir_problem(self.path.parent.parent)  # its entries load as code
+        if problem is not None:
+            self.path = None  # neither read nor written
+            return CacheEvent("skipped", "", problem)
         try:
             blob = self.path.read_bytes()
         except FileNotFoundError:

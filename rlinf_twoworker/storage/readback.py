@@ -175,9 +175,14 @@ def load_dcp(dcp_dir: Path, keys: Iterable[str] | None = None) -> dict[str, Any]
     """Load the given flattened DCP keys (default: all) into CPU memory, without a process
     group. Raises CheckpointReadError naming the damaged file."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from rlinf_twoworker.storage.safe_dcp import (
+        SafeFileSystemReader,
+        SafeLoadPlanner,
+        refusal_in,
+    )
 
     metadata = read_metadata(dcp_dir)
     entries = metadata.state_dict_metadata
@@ -189,8 +194,16 @@ def load_dcp(dcp_dir: Path, keys: Iterable[str] | None = None) -> dict[str, Any]
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=FileSystemReader(str(dcp_dir)), no_dist=True)
+            dcp.load(
+                state,
+                storage_reader=SafeFileSystemReader(str(dcp_dir)),
+                planner=SafeLoadPlanner(),
+                no_dist=True,
+            )
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        refused = refusal_in(exc)
+        if refused is not None:
+            raise refused from exc
         raise CheckpointReadError(_read_failure(Path(dcp_dir), metadata, exc)) from exc
     return state
 

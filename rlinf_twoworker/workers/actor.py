@@ -485,8 +485,25 @@ class ActorWorker(Worker):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        from rlinf_twoworker.storage.safe_dcp import (
+            SafeFileSystemReader,
+            SafeLoadPlanner,
+            refusal_in,
+        )
+
         state = self._state()
-        dcp.load(state, checkpoint_id=path, process_group=self.actor_group)
+        try:
+            dcp.load(
+                state,
+                storage_reader=SafeFileSystemReader(path),
+                planner=SafeLoadPlanner(),
+                process_group=self.actor_group,
+            )
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            refused = refusal_in(exc)
+            if refused is not None:
+                raise refused from None  # one line naming the file, not every rank's trace
+            raise
         inner = state["fsdp_checkpoint"]
         set_state_dict(
             self.model,
