@@ -32,6 +32,7 @@ from rlinf_twoworker import (
     run_grpo_two_worker,
 )
 from rlinf_twoworker.api.demo import DATA_NAME, demo_config, make_inputs
+from rlinf_twoworker.cluster.connect import ray_name
 from rlinf_twoworker.cluster.placement import wait_removed
 from rlinf_twoworker.config import load_config
 from rlinf_twoworker.storage.data import DataError, load_jsonl
@@ -81,7 +82,7 @@ def run_error(cfg, **kwargs) -> BaseException:
     handle = run_grpo_two_worker(cfg, **kwargs)
     with pytest.raises(Exception) as failed:
         handle.result(timeout=TIMEOUT)
-    pg = f"{handle.run_id}:pg"
+    pg = ray_name(handle.output_dir, "pg")
     groups = ray.util.placement_group_table().values()
     assert all(g["state"] == "REMOVED" for g in groups if g["name"] == pg)
     return failed.value
@@ -221,7 +222,7 @@ def test_gpus_held_by_another_job_fail_placement_with_a_diagnostic(cluster_2x2, 
     finally:
         wait_removed(blocker)
     message = str(failed.value)
-    assert "'no-room:pg' not scheduled within 3 s" in message
+    assert f"'{ray_name(tmp_path / 'out' / 'no-room', 'pg')}' not scheduled within 3 s" in message
     assert "STRICT_SPREAD needs 2 nodes with 2 free GPU(s)" in message
     assert "0/2 GPU free" in message and "2/2 GPU free" in message
     with pytest.raises(ray.exceptions.RayTaskError, match="PlacementError"):

@@ -167,16 +167,23 @@ def cause_of(ref, timeout: float) -> BaseException:
     raise AssertionError("the future resolved instead of raising")
 
 
+def of_run(name: str, run_id: str) -> bool:
+    """Whether a Ray name is of a run with this RUN_ID (ray_name: `<run_id>-<8 hex>:...`)."""
+    return name.split(":", 1)[0].rpartition("-")[0] == run_id
+
+
 def run_actors(run_id: str) -> list[str]:
     names = ray.util.list_named_actors(all_namespaces=True)
-    return [
-        a["name"] for a in names if a["namespace"] == NAMESPACE and a["name"].startswith(run_id)
-    ]
+    return [a["name"] for a in names if a["namespace"] == NAMESPACE and of_run(a["name"], run_id)]
 
 
-def live_groups(name: str | None = None) -> list[dict]:
+def live_groups(run_id: str | None = None) -> list[dict]:
     groups = ray.util.placement_group_table().values()
-    return [g for g in groups if g["state"] != "REMOVED" and name in (None, g["name"])]
+    return [
+        g
+        for g in groups
+        if g["state"] != "REMOVED" and (run_id is None or of_run(g["name"], run_id))
+    ]
 
 
 def assert_released(run_id: str, timeout: float = 30, driver_gone: bool = False) -> None:
@@ -188,9 +195,9 @@ def assert_released(run_id: str, timeout: float = 30, driver_gone: bool = False)
         return [n for n in run_actors(run_id) if driver_gone or ":controller:" not in n]
 
     wait_until(
-        lambda: not left() and not live_groups(f"{run_id}:pg"),
+        lambda: not left() and not live_groups(run_id),
         timeout,
-        f"release of run {run_id} (actors {left()}, groups {live_groups(f'{run_id}:pg')})",
+        f"release of run {run_id} (actors {left()}, groups {live_groups(run_id)})",
     )
 
 
@@ -301,7 +308,7 @@ def test_controller_dying_fails_the_run_and_the_handle_releases_its_group(
     error = failed.value
     assert (error.component, error.rank) == ("controller", 0) and f"pid {pid}" in error.cause
     assert ray.get_runtime_context().get_node_id()[:8] in error.node
-    with pytest.raises(ray.exceptions.RayActorError, match=f"{run_id}:controller:0"):
+    with pytest.raises(ray.exceptions.RayActorError, match=f"{run_id}-[0-9a-f]{{8}}:controller:0"):
         ray.get(pending, timeout=30)
     assert_failure_recorded(tmp_path / run_id, "controller", 0)
     assert_released(run_id, driver_gone=True)

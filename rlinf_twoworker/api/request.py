@@ -134,18 +134,20 @@ def resolve_request(
 
 
 def run_dir_problems(typed: Any) -> list[str]:
-    """The run directory must be new, and makeable."""
-    from rlinf_twoworker.storage.rundir import refuse_existing, run_dir_of
+    """The run directory must be new, and makeable; the paths the config names
+    (hydra.run.dir, hydra.output_subdir, runner.logger.log_path) must lie inside it."""
+    from rlinf_twoworker.storage.rundir import escaping_paths, refuse_existing, run_dir_of
 
     run_dir = run_dir_of(Path(typed.runner.output_dir).resolve(), typed.runner.experiment_name)
+    problems = [str(error) for error in escaping_paths(typed)]
     try:
         refuse_existing(run_dir)
     except RunDirExistsError as exc:
-        return [str(exc)]
+        return [*problems, str(exc)]
     existing = next(p for p in [run_dir, *run_dir.parents] if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
-        return [f"{existing} is not writable: the run directory {run_dir} cannot be made"]
-    return []
+        problems.append(f"{existing} is not writable: the run directory {run_dir} cannot be made")
+    return problems
 
 
 def resume_problems(typed: Any) -> list[str]:

@@ -3,7 +3,9 @@ starting one, and checking that the cluster is the one the config asks for."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 
 import ray
 
@@ -11,7 +13,7 @@ from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.errors import ClusterError
 
 NAMESPACE = "rlinf_twoworker"
-"""The Ray namespace of every run's actors: <run_id>:<component>:<rank>."""
+"""The Ray namespace of every run's actors, named by `ray_name`."""
 CONNECT_PROBE_S = 10.0
 _WHERE_TO_CONNECT = (
     "The library connects to a running cluster and never starts one: run the Driver on a "
@@ -19,6 +21,16 @@ _WHERE_TO_CONNECT = (
     "HOST:PORT, the RAY_ADDRESS environment variable, or run_grpo_two_worker(..., "
     "ray_address=...)). To try the library on this machine alone: rlinf-twoworker demo"
 )
+
+
+def ray_name(run_dir: str | Path, *parts: str | int) -> str:
+    """The name of a run's actor or placement group: `<run_id>-<8 hex>:<part>:...`, the hex
+    being the start of sha256 of the resolved run directory. The RUN_ID leads, so operators
+    recognise the run in `ray list actors`; the hash makes two runs with one RUN_ID under two
+    output roots, or a dead run's leftovers, never share (or remove) each other's names."""
+    resolved = Path(run_dir).resolve()
+    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:8]
+    return ":".join([f"{resolved.name}-{digest}", *map(str, parts)])
 
 
 def _probe_address(ray_address: str) -> None:

@@ -25,6 +25,7 @@ from rlinf_twoworker.cluster.placement import bundle_node_ids
 from rlinf_twoworker.cluster.probe import NodeProbe
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.errors import PreflightError
+from rlinf_twoworker.storage.rundir import PREFLIGHT_JSON, atomic_write_text
 
 
 def compare_nodes(nodes: list[dict[str, Any]]) -> list[str]:
@@ -144,6 +145,11 @@ async def _gather(
     return list(await asyncio.gather(*(one(i, ref) for i, ref in enumerate(refs))))
 
 
+def _write_report(output_dir: Path, record: str) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(output_dir / PREFLIGHT_JSON, record)
+
+
 def _status_lines(report: PreflightReport, head_ids: set[str], log: Callable) -> None:
     log(f"RAY_CLUSTER_RESOURCES={json.dumps(report.cluster_resources, sort_keys=True)}")
     for n in report.nodes:
@@ -218,8 +224,9 @@ async def preflight(
     report.seconds = round(time.monotonic() - start, 3)
     _status_lines(report, head_ids, log)
     if output_dir is not None:
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(output_dir) / "preflight.json").write_text(json.dumps(report.to_dict(), indent=2))
+        record = json.dumps(report.to_dict(), indent=2)
+        # In a thread: the run's controller calls this, and its event loop must not wait on storage.
+        await asyncio.to_thread(_write_report, Path(output_dir), record)
     if not report.passed:
         count = len(report.errors)
         problems = "1 problem" if count == 1 else f"{count} problems"

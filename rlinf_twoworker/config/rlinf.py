@@ -226,7 +226,8 @@ RULES: tuple[Rule, ...] = (
 class HydraRun:
     dir: str | None = None
     """RLinf's Hydra run directory: the Hydra record (config.yaml, overrides.yaml) is also
-    written to <dir>/<output_subdir>; None: <run dir>/hydra."""
+    written to <dir>/<output_subdir>; None: <run dir>/hydra. It must lie inside the run
+    directory (a relative path is taken from it; `..` is refused), or a run refuses to start."""
 
 
 @dataclass(kw_only=True)
@@ -240,15 +241,17 @@ class HydraConfig:
     run: HydraRun = field(default_factory=HydraRun)
     job: HydraJob = field(default_factory=HydraJob)
     output_subdir: str | None = ".hydra"
-    """Where under hydra.run.dir the Hydra record is also written; null: nowhere else (RLinf
-    keeps none; the library always keeps <run dir>/hydra/.hydra/, which the postflight reads)."""
+    """Where under hydra.run.dir the Hydra record is also written (inside the run directory;
+    `..` is refused); null: nowhere else (RLinf keeps none; the library always keeps
+    <run dir>/hydra/.hydra/, which the postflight reads)."""
     searchpath: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
 class LoggerConfig:
     log_path: str | None = None
-    """Where tensorboard/ goes (RLinf's meaning); None: the run directory. The postflight and
+    """Where tensorboard/ goes (RLinf's meaning); None: the run directory. It must lie inside
+    the run directory (a relative path is taken from it; `..` is refused). The postflight and
     `report` read it from the run's record."""
     project_name: str = "rlinf"
     experiment_name: str | None = None

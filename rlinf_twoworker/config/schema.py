@@ -231,7 +231,15 @@ class RunnerConfig:
     slightly slower (2.85 s instead of 2.78 s: little padding there, and the compiled actor
     meets several widths), hence off by default."""
     resume_dir: str | None = None
-    """'auto' or a run directory to continue from its last complete checkpoint."""
+    """'auto' or a run directory (or one of its checkpoints/global_step_<N>) to continue from
+    its last complete checkpoint. 'auto' takes the newest complete checkpoint among the other
+    runs under runner.output_dir of this run's lineage only (storage/lineage.py: the same model
+    and data manifests and training settings; step limits may differ), narrowed further by
+    resume_prefix / resume_runs; a named directory is taken as it is."""
+    resume_prefix: str | None = None
+    """With resume_dir=auto: consider only runs whose name (RUN_ID) starts with this."""
+    resume_runs: list[str] = field(default_factory=list)
+    """With resume_dir=auto: consider only the runs of these names (under runner.output_dir)."""
     compile_cache_dir: str | None = "auto"
     """Where compiled kernels are kept for the next run of the same model shape, software and
     GPU (engines/compile_cache.py): 'auto' is <output_dir>/.compile-cache (shared storage, so
@@ -942,17 +950,19 @@ class GRPOConfig:
 
     @property
     def log_dir(self) -> Path:
-        """Where TensorBoard (tensorboard/) goes: runner.logger.log_path, as in RLinf, or the
-        run directory when unset (the tutorial sets it to the run directory)."""
+        """Where TensorBoard (tensorboard/) goes: runner.logger.log_path, as in RLinf (a
+        relative path taken from the run directory), or the run directory when unset (the
+        tutorial sets it to the run directory)."""
         log_path = self.runner.logger.log_path
-        return Path(log_path) if log_path else self.run_dir
+        return self.run_dir / log_path if log_path else self.run_dir
 
     @property
     def hydra_record_dir(self) -> Path | None:
-        """Where RLinf's Hydra would keep its record (hydra.run.dir/hydra.output_subdir), or
-        None when hydra.output_subdir is null. The library writes it there, and always to
+        """Where RLinf's Hydra would keep its record (hydra.run.dir/hydra.output_subdir, a
+        relative hydra.run.dir taken from the run directory), or None when
+        hydra.output_subdir is null. The library writes it there, and always to
         <run dir>/hydra/.hydra/, which the postflight reads."""
         if self.hydra.output_subdir is None:
             return None
-        run = Path(self.hydra.run.dir) if self.hydra.run.dir else self.run_dir / "hydra"
+        run = self.run_dir / (self.hydra.run.dir or "hydra")
         return run / self.hydra.output_subdir

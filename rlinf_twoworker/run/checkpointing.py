@@ -69,16 +69,32 @@ async def save(
                 log.detail(f"CHECKPOINT_WRITE step={step} actor:{member.slot.rank} {parts}")
         await asyncio.to_thread(_complete, cfg, staging, final, data_state)
     except BaseException:
-        if full_storage(staging) is not None:  # never complete: give its space back
+        if await asyncio.to_thread(full_storage, staging) is not None:  # give its space back
             await asyncio.to_thread(shutil.rmtree, staging, True)
         raise
     if cfg.runner.save_full_weights:  # opt-in: a full model copy costs a full gather
-        from rlinf_twoworker.storage.export import export_hf
-
-        await asyncio.to_thread(export_hf, run_dir, final / HF_SUBDIR, step)
+        await asyncio.to_thread(_export_full_weights, run_dir, final, step, log)
     await asyncio.to_thread(prune, run_dir, cfg.runner.keep_last_checkpoints)
     files = await asyncio.to_thread(files_of, final)
     return CheckpointInfo(step=step, directory=str(final), files=files, finished_at=time.time())
+
+
+def _export_full_weights(run_dir: Path, final: Path, step: int, log: RunLog | None) -> None:
+    """The optional Hugging Face copy (runner.save_full_weights) of a checkpoint that is
+    complete already: its failure is logged, never the step's (the export leaves no partial
+    directory; `rlinf-twoworker export-hf` makes it later)."""
+    from rlinf_twoworker.storage.export import export_hf
+
+    try:
+        export_hf(run_dir, final / HF_SUBDIR, step)
+    except Exception as exc:
+        if log is not None:
+            said = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+            log.info(
+                f"EXPORT_FAILED step={step} error={type(exc).__name__}: {said}; checkpoint "
+                f"{final} is complete: export it later with `rlinf-twoworker export-hf "
+                f"{run_dir} --step {step} --out DIR`"
+            )
 
 
 def _fresh_staging(staging: Path) -> None:
@@ -131,6 +147,7 @@ async def restore(group: ComponentGroup, cfg: GRPOConfig, checkpoint: Path, log:
         "resume_dir": cfg.runner.resume_dir,
         "time": time.time(),
     }
-    atomic_write_text(log.run_dir / RESUMED_FROM_JSON, json.dumps(record, indent=2) + "\n")
+    text = json.dumps(record, indent=2) + "\n"  # written off the event loop: storage may stall
+    await asyncio.to_thread(atomic_write_text, log.run_dir / RESUMED_FROM_JSON, text)
     log.info(f"RESUMED_FROM={source} step={step}")
     return step

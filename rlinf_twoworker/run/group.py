@@ -4,8 +4,8 @@ A run starts the processes first (beside its preflight) and loads the models aft
 plan: `start`, `wait_placed`, then `load` (see `ComponentHost`). The run's controller makes
 each process from its worker's name, without importing the worker's module (torch: seconds).
 
-Actor names are `<run_id>:<component>:<rank>` in namespace `rlinf_twoworker`, so operators
-find them with `ray list actors`. Every call goes through `call`, which applies a timeout and
+Actor names are `<run_id>-<8 hex>:<component>:<rank>` (cluster.connect.ray_name) in namespace
+`rlinf_twoworker`, so operators find them with `ray list actors`. Every call goes through `call`, which applies a timeout and
 turns any failure into a ComponentError naming the component, its rank and its node.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from rlinf_twoworker import bytecode, components
-from rlinf_twoworker.cluster.connect import NAMESPACE
+from rlinf_twoworker.cluster.connect import NAMESPACE, ray_name
 from rlinf_twoworker.cluster.placement import scheduling_options
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.config.placement import Placement, Slot
@@ -190,7 +190,7 @@ class ComponentGroup:
             cls = host_class(worker, slot.component, asynchronous)
             options = scheduling_options(self.pg, self.placement, slot)
             remote: Any = ray.remote(cls).options(
-                name=f"{self.run_id}:{slot.component}:{slot.rank}",
+                name=ray_name(self.cfg.run_dir, slot.component, slot.rank),
                 namespace=NAMESPACE,
                 max_concurrency=self.table[slot.component].concurrency,
                 max_restarts=0,

@@ -50,8 +50,8 @@ async def liveness_error(
     if dead:
         bundle = bundle_nodes.index(dead[0])
         return ClusterError(
-            f"node {dead[0][:8]} holding bundle {bundle} of placement group "
-            f"{run_id}:pg is dead (removed from the cluster or unreachable); the run "
+            f"node {dead[0][:8]} holding bundle {bundle} of the placement group of run "
+            f"{run_id} is dead (removed from the cluster or unreachable); the run "
             "cannot continue: check the node, then start a new run (or resume)"
         )
     return None

@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rlinf_twoworker.config import GRPOConfig
-from rlinf_twoworker.errors import TwoWorkerError
+from rlinf_twoworker.errors import CheckpointReadError, TwoWorkerError
 from rlinf_twoworker.results import CheckpointInfo
 from rlinf_twoworker.storage.rundir import (
+    FAILURE_JSON,
+    VERIFICATION_JSON,
     checkpoint_dir,
     complete_checkpoint_steps,
+    pruning_checkpoint_dir,
+    stale_checkpoint_dirs,
 )
 
 DCP_SUBDIR = Path("actor") / "dcp_checkpoint"
@@ -69,10 +74,6 @@ def write_error(path: str | Path, exc: BaseException) -> BaseException:
     )
 
 
-class CheckpointReadError(TwoWorkerError):
-    """A checkpoint's files are missing, damaged or unreadable; the message names the file."""
-
-
 def scheduled_steps(cfg: GRPOConfig, last: int | None = None) -> list[int]:
     """Steps that get a checkpoint, as RLinf decides: every save_interval steps and the last
     step (runner.max_steps, or `last` when the epochs end the run earlier); none with
@@ -110,29 +111,70 @@ def fsync_dir(directory: Path) -> None:
 
 
 def prune(run_dir: Path, keep_last: int) -> list[int]:
-    """Delete all but the newest `keep_last` complete checkpoints (0 keeps all)."""
+    """Delete all but the newest `keep_last` complete checkpoints (0 keeps all). Each is first
+    renamed away (`.global_step_<N>.pruning`, the rename made durable), then deleted: a crash
+    at any moment leaves `global_step_<N>` complete or absent, never half deleted; what is
+    left under the away name is reclaimed at a later run's start (`reclaim_staging`)."""
     steps = complete_steps(run_dir)
     if keep_last <= 0 or len(steps) <= keep_last:
         return []
     doomed = steps[:-keep_last]
     for step in doomed:
-        shutil.rmtree(checkpoint_dir(run_dir, step))
+        away = pruning_checkpoint_dir(run_dir, step)
+        if away.exists():  # an earlier prune of this step crashed mid-delete
+            shutil.rmtree(away)
+        os.rename(checkpoint_dir(run_dir, step), away)
+        fsync_dir(away.parent)
+        shutil.rmtree(away)
     return doomed
+
+
+def reclaim_staging(cfg: GRPOConfig, run_dir: Path, log: Callable[[str], None]) -> list[Path]:
+    """At a run's start, delete what failed runs left half written: the `.incomplete` staging
+    and `.pruning` directories under `checkpoints/` of the runs this run may read from (the
+    other runs under runner.output_dir, which resume_dir=auto searches, and the run that
+    runner.resume_dir names). Only runs that have ended (failure.json or verification.json)
+    are touched: a live run may still be writing its staging directory. Returns what was
+    removed; a directory that cannot be removed is logged and left, never fatal."""
+    here = Path(run_dir).resolve()
+    output_root = Path(cfg.runner.output_dir)
+    runs = [p for p in sorted(output_root.iterdir()) if p.is_dir()] if output_root.is_dir() else []
+    resume = cfg.runner.resume_dir
+    if resume and resume != "auto":
+        named = Path(resume)
+        runs.append(named.parent.parent if named.name.startswith("global_step_") else named)
+    removed = []
+    for run in dict.fromkeys(r.resolve() for r in runs):
+        if run == here or not any((run / f).is_file() for f in (FAILURE_JSON, VERIFICATION_JSON)):
+            continue
+        for stale in stale_checkpoint_dirs(run):
+            try:
+                shutil.rmtree(stale)
+            except OSError as exc:
+                log(f"RECLAIM_FAILED {stale}: {exc}; delete it by hand to free its space")
+                continue
+            log(f"RECLAIMED {stale} (left half written by an ended run)")
+            removed.append(stale)
+    return removed
 
 
 # ---- finding complete checkpoints ---------------------------------------------------------
 
 
 def read_metadata(dcp_dir: Path) -> Any:
-    """The DCP `.metadata` of `dcp_dir`; raises CheckpointReadError naming the file."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """The DCP `.metadata` of `dcp_dir`, read by the allow-list unpickler of safe_dcp.py (the
+    file may come from anyone who can write the shared storage); raises CheckpointReadError
+    naming the file (UnsafeCheckpointError, one of them, for a file that is not DCP's)."""
+    from rlinf_twoworker.storage.safe_dcp import UnsafeCheckpointError, unpickle_metadata
 
     path = Path(dcp_dir) / METADATA
     if not path.is_file() or path.stat().st_size == 0:
         raise CheckpointReadError(f"{path} is missing or empty: the checkpoint was not finished")
     try:
-        return FileSystemReader(str(dcp_dir)).read_metadata()
-    except Exception as exc:  # truncated or foreign pickle: one line naming the file
+        return unpickle_metadata(path)
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # truncated or damaged pickle: one line naming the file
         raise CheckpointReadError(
             f"{path} cannot be read ({type(exc).__name__}: {exc}): the file is damaged"
         ) from exc
@@ -194,26 +236,15 @@ def _finished_at(checkpoint: Path) -> float:
 
 def resume_source(cfg: GRPOConfig, run_dir: Path) -> Path | None:
     """The checkpoint directory to resume from, or None. 'auto' takes, among the other runs
-    under runner.output_dir, the newest complete checkpoint (staging `.incomplete` directories
-    and checkpoints with missing files are never taken); a path may be a run directory or a
-    global_step_<N> directory."""
+    under runner.output_dir of this run's lineage (lineage.py; named by runner.resume_prefix or
+    runner.resume_runs when set), the newest complete checkpoint (staging `.incomplete`
+    directories and checkpoints with missing files are never taken); a path may be a run
+    directory or a global_step_<N> directory."""
     value = cfg.runner.resume_dir
     if not value:
         return None
     if value == "auto":
-        output_root = Path(cfg.runner.output_dir)
-        here = Path(run_dir).resolve()
-        candidates = [
-            found
-            for p in (sorted(output_root.iterdir()) if output_root.is_dir() else [])
-            if p.is_dir() and p.resolve() != here and (found := last_complete(p)) is not None
-        ]
-        if not candidates:
-            raise TwoWorkerError(
-                f"runner.resume_dir=auto found no run with a complete checkpoint under "
-                f"{output_root}; give the run directory to resume from, or drop resume_dir"
-            )
-        return max(candidates, key=lambda c: (_finished_at(c), c.parent.parent.name))
+        return _auto_source(cfg, Path(run_dir))
     path = Path(value)
     if path.name.startswith("global_step_"):
         problems = checkpoint_problems(path)
@@ -231,6 +262,41 @@ def resume_source(cfg: GRPOConfig, run_dir: Path) -> Path | None:
             "and data/data.pt)"
         )
     return found
+
+
+def _auto_source(cfg: GRPOConfig, run_dir: Path) -> Path:
+    from rlinf_twoworker.storage.lineage import lineage_of, lineage_problems
+
+    output_root, runner = Path(cfg.runner.output_dir), cfg.runner
+    here = run_dir.resolve()
+    named = [
+        p
+        for p in (sorted(output_root.iterdir()) if output_root.is_dir() else [])
+        if p.is_dir()
+        and not p.name.startswith(".")
+        and p.resolve() != here
+        and (runner.resume_prefix is None or p.name.startswith(runner.resume_prefix))
+        and (not runner.resume_runs or p.name in runner.resume_runs)
+    ]
+    mine, candidates, refused = lineage_of(cfg), [], []
+    for run in named:  # the lineage first: a run of another one is never opened further
+        problems = lineage_problems(run, mine)
+        if problems:
+            refused.append(f"run {run.name}: {'; '.join(problems)}")
+        elif (found := last_complete(run)) is not None:
+            candidates.append(found)
+    if not candidates:
+        which = (f" named {runner.resume_runs}" if runner.resume_runs else "") + (
+            f" starting with {runner.resume_prefix!r}" if runner.resume_prefix else ""
+        )
+        why = f"; runs with one not of this lineage: {' | '.join(refused[:5])}" if refused else ""
+        raise TwoWorkerError(
+            f"runner.resume_dir=auto found no run{which} of this run's lineage with a complete "
+            f"checkpoint under {output_root}{why}; auto continues only a run of the same model, "
+            "data and training settings: give the run directory to resume from explicitly, "
+            "or drop resume_dir"
+        )
+    return max(candidates, key=lambda c: (_finished_at(c), c.parent.parent.name))
 
 
 def resume_limit_problem(checkpoint: Path, max_steps: int) -> str | None:

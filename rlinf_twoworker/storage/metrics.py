@@ -27,7 +27,8 @@ class MetricsWriter:
 
 def tensorboard_dir(run_dir: str | Path) -> Path:
     """Where the run's TensorBoard files are: <runner.logger.log_path>/tensorboard, as the
-    run's record (hydra/.hydra/config.yaml) gives it, else <run dir>/tensorboard."""
+    run's record (hydra/.hydra/config.yaml) gives it (a relative one from the run directory, as
+    GRPOConfig.log_dir takes it), else <run dir>/tensorboard."""
     import yaml
 
     try:
@@ -35,7 +36,7 @@ def tensorboard_dir(run_dir: str | Path) -> Path:
         log_path = record["runner"]["logger"]["log_path"]
     except (OSError, KeyError, TypeError, yaml.YAMLError):  # no record: the default place
         log_path = None
-    return Path(log_path or run_dir) / TENSORBOARD_DIR
+    return Path(run_dir) / (log_path or "") / TENSORBOARD_DIR
 
 
 def event_files(run_dir: str | Path) -> list[Path]:

@@ -18,7 +18,7 @@ from filelock import FileLock, Timeout
 from omegaconf import DictConfig
 
 from rlinf_twoworker.config import GRPOConfig, run_id_problem, to_yaml
-from rlinf_twoworker.errors import ComponentError, RunDirError, RunDirExistsError
+from rlinf_twoworker.errors import ComponentError, ConfigError, RunDirError, RunDirExistsError
 
 DRIVER_LOG = "driver.log"
 MAIN_LOG = "log/main.log"
@@ -37,6 +37,41 @@ def run_dir_of(output_root: str | Path, run_id: str) -> Path:
     if problem is not None:
         raise RunDirError(f"RUN_ID {run_id!r} is invalid: it {problem}")
     return Path(output_root).resolve() / run_id
+
+
+def escaping_paths(typed: GRPOConfig) -> list[ConfigError]:
+    """hydra.run.dir, hydra.output_subdir and runner.logger.log_path must lead inside the run
+    directory (a relative path is taken from it), outside checkpoints/ (which the library
+    renames and deletes): one ConfigError per key that does not. A `..` part is refused by
+    name, whatever it resolves to: a run writes only its own directory."""
+    run_dir = typed.run_dir.resolve()
+    given = [
+        ("hydra.run.dir", typed.hydra.run.dir, typed.hydra_record_dir),
+        ("hydra.output_subdir", typed.hydra.output_subdir, typed.hydra_record_dir),
+        ("runner.logger.log_path", typed.runner.logger.log_path, typed.log_dir),
+    ]
+    errors = []
+    for key, value, lands in given:
+        if not value or lands is None:
+            continue
+        if ".." in Path(value).parts:
+            rule = "'..' is refused: a run writes only inside its own run directory"
+        elif not lands.resolve().is_relative_to(run_dir):
+            rule = f"leads to {lands}, outside the run directory {run_dir}"
+        elif lands.resolve().is_relative_to(run_dir / CHECKPOINTS_DIR):
+            rule = f"leads to {lands}, inside checkpoints/, which the library renames and prunes"
+        else:
+            continue
+        errors.append(
+            ConfigError(
+                key,
+                value,
+                f"{rule}; give a path inside the run directory {run_dir} (a relative path "
+                "is taken from it), "
+                "or leave it unset",
+            )
+        )
+    return errors
 
 
 def refuse_existing(run_dir: Path) -> None:
@@ -84,10 +119,10 @@ def create_run_dir(cfg: DictConfig, typed: GRPOConfig, overrides: Sequence[str] 
             f"another launcher holds the lock {lock.lock_file} for more than 30 s; "
             "if none is running, delete the lock file"
         ) from exc
-    _write_config(run_dir, cfg, typed, overrides)
     (run_dir / "log").mkdir()
     (run_dir / MAIN_LOG).touch()
     (run_dir / DRIVER_LOG).touch()
+    _write_config(run_dir, cfg, typed, overrides)  # its record dir may be log/: made above
     return run_dir
 
 
@@ -95,7 +130,8 @@ def _write_config(
     run_dir: Path, cfg: DictConfig, typed: GRPOConfig, overrides: Sequence[str]
 ) -> None:
     """The resolved config and the overrides in <run dir>/hydra/.hydra/ (the postflight reads
-    them there) and, where hydra.run.dir/hydra.output_subdir point elsewhere, there too."""
+    them there) and, where hydra.run.dir/hydra.output_subdir point elsewhere inside the run
+    directory (`escaping_paths` refused the rest), there too."""
     record = typed.hydra_record_dir
     places = [run_dir / "hydra" / ".hydra", *([record] if record is not None else [])]
     for hydra_dir in dict.fromkeys(p.resolve() for p in places):
@@ -105,13 +141,24 @@ def _write_config(
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write a file under a temporary name, fsync, then rename: readers never see half of it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    """Write a file under a temporary name, fsync, rename, then fsync the directory: readers
+    never see half of it, and after a crash of the node it is either the old or the new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # two writers never share one
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():  # the write failed (a full storage): leave no temporary behind
+            tmp.unlink()
+    fd = os.open(path.parent, os.O_RDONLY)  # the rename itself is durable only then
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_failure(run_dir: Path, exc: BaseException, state: str, step: int | None) -> None:
@@ -160,6 +207,26 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 def staging_checkpoint_dir(run_dir: Path, step: int) -> Path:
     """Where a checkpoint is written before its rename to the final name."""
     return Path(run_dir) / CHECKPOINTS_DIR / f".global_step_{step}.incomplete"
+
+
+def pruning_checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """Where a pruned checkpoint is renamed before it is deleted."""
+    return Path(run_dir) / CHECKPOINTS_DIR / f".global_step_{step}.pruning"
+
+
+def stale_checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """The staging (`.incomplete`) and pruned (`.pruning`) directories under checkpoints/:
+    never complete, so never resumed from; left behind only by a crash."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    return sorted(
+        child
+        for child in root.iterdir()
+        if child.is_dir()
+        and child.name.startswith(".global_step_")
+        and child.name.endswith((".incomplete", ".pruning"))
+    )
 
 
 def complete_checkpoint_steps(run_dir: Path) -> list[int]:
