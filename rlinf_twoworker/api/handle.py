@@ -16,16 +16,19 @@ from typing import Any
 import ray
 from omegaconf import DictConfig, OmegaConf
 
-from rlinf_twoworker.cluster.connect import NAMESPACE, connect
+from rlinf_twoworker.cluster.connect import NAMESPACE, connect, ray_name
 from rlinf_twoworker.config import GRPOConfig, config_notes, to_typed
 from rlinf_twoworker.errors import ComponentError, TwoWorkerError
 from rlinf_twoworker.run.liveness import death_cause
 from rlinf_twoworker.storage import checkpoints as ckpt
+from rlinf_twoworker.storage.lineage import write_lineage
+from rlinf_twoworker.storage.private_dir import keep_compile_cache_private
 from rlinf_twoworker.storage.rundir import (
     DRIVER_LOG,
     FAILURE_JSON,
     RunLog,
     create_run_dir,
+    escaping_paths,
     refuse_existing,
     run_dir_of,
     write_failure,
@@ -51,6 +54,10 @@ class RunHandle:
         self.run_id: str = self._typed.runner.experiment_name
         self.output_dir: Path = run_dir
         self._result_ref: Any = None
+        # One controller call per future, whatever the number of polls: each call is a
+        # coroutine of the controller until its future resolves, and enough of them would take
+        # every slot of its max_concurrency, status() and cancel() included.
+        self._refs: dict[tuple[Any, ...], ray.ObjectRef] = {}
 
     @property
     def placement_group(self) -> Any:
@@ -60,7 +67,7 @@ class RunHandle:
     @property
     def preflight(self) -> ray.ObjectRef:
         """Resolves to the PreflightReport once every node's probe has passed."""
-        return self._controller.wait_preflight.remote()
+        return self._ref("wait_preflight")
 
     def step(self, n: int) -> ray.ObjectRef:
         """Resolves to the StepResult of step n once it is complete."""
@@ -68,7 +75,7 @@ class RunHandle:
             raise ValueError(
                 f"step {n} is outside this run's steps 1..{self._typed.runner.max_steps}"
             )
-        return self._controller.wait_step.remote(n)
+        return self._ref("wait_step", n)
 
     def checkpoint(self, n: int) -> ray.ObjectRef:
         """Resolves to the CheckpointInfo of step n once it is complete on storage."""
@@ -81,7 +88,14 @@ class RunHandle:
                 f"steps {scheduled} (runner.save_interval, and the last step; none with "
                 "runner.save_interval=-1)"
             )
-        return self._controller.wait_checkpoint.remote(n)
+        return self._ref("wait_checkpoint", n)
+
+    def _ref(self, method: str, *args: int) -> ray.ObjectRef:
+        """The ObjectRef of the controller's `method(*args)`, made on the first ask only."""
+        key = (method, *args)
+        if key not in self._refs:
+            self._refs[key] = getattr(self._controller, method).remote(*args)
+        return self._refs[key]
 
     def result_ref(self) -> ray.ObjectRef:
         if self._result_ref is None:
@@ -102,7 +116,7 @@ class RunHandle:
         with their owner), but its placement group lives as long as the Driver's job, so the
         handle removes it, and records the failure the controller could not."""
         error = ComponentError("controller", 0, self._controller_node, death_cause(exc))
-        _remove_placement_group(f"{self.run_id}:pg")
+        _remove_placement_group(ray_name(self.output_dir, "pg"))
         failure = self.output_dir / FAILURE_JSON
         if not failure.exists():
             RunLog(self.output_dir).info(f"RUN_FAILED error=ComponentError: {error}")
@@ -272,10 +286,38 @@ def run_grpo_two_worker(
     cfg.runner.output_dir = str(output_root)
     typed.runner.output_dir = str(output_root)
     run_dir = run_dir_of(output_root, typed.runner.experiment_name)
+    for error in escaping_paths(typed):  # hydra.run.dir=../x: refused before anything is made
+        raise error
     refuse_existing(run_dir)
     connect(ray_address, typed)
     callers_group = _callers_group(placement_group, typed)  # before anything is written
     run_dir = create_run_dir(cfg, typed, overrides)
+    try:  # from here on the run directory exists: it must say why a run never started
+        write_lineage(run_dir, typed)  # what resume_dir=auto of a later run compares
+        keep_compile_cache_private(cfg, typed, RunLog(run_dir).info)
+        ckpt.reclaim_staging(typed, run_dir, RunLog(run_dir).detail)
+        controller = _start_controller(
+            cfg, typed, run_dir, component_classes, called_at, callers_group
+        )
+    except BaseException as exc:
+        RunLog(run_dir).info(f"RUN_FAILED error={type(exc).__name__}: {exc}")
+        write_failure(run_dir, exc, "failed", None)
+        raise
+    here = ray.get_runtime_context().get_node_id()
+    where = f"{ray.util.get_node_ip_address()} node {here[:8]}"
+    return RunHandle(controller, cfg, typed, run_dir, controller_node=where)
+
+
+def _start_controller(
+    cfg: DictConfig,
+    typed: GRPOConfig,
+    run_dir: Path,
+    component_classes: dict[str, type] | None,
+    called_at: float,
+    callers_group: Any,
+) -> Any:
+    """The run's controller actor on this node, started; killed again when it does not start
+    (a late start would run a training nobody holds a handle to)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from rlinf_twoworker.run.controller import RunController
@@ -284,7 +326,7 @@ def run_grpo_two_worker(
     controller: Any = (
         ray.remote(RunController)
         .options(
-            name=f"{typed.runner.experiment_name}:controller:0",
+            name=ray_name(run_dir, "controller", 0),
             namespace=NAMESPACE,
             num_cpus=0,
             max_concurrency=1000,
@@ -296,9 +338,12 @@ def run_grpo_two_worker(
     try:
         ray.get(controller.start.remote(), timeout=typed.runner.timeouts.actor_start_s)
     except Exception as exc:
-        raise TwoWorkerError(f"the run controller did not start on this node: {exc}") from exc
-    where = f"{ray.util.get_node_ip_address()} node {here[:8]}"
-    return RunHandle(controller, cfg, typed, run_dir, controller_node=where)
+        ray.kill(controller, no_restart=True)
+        raise TwoWorkerError(
+            f"the run controller did not start on this node: {exc}; {run_dir}/failure.json "
+            "records it: start a new run with a new RUN_ID"
+        ) from exc
+    return controller
 
 
 def _callers_group(placement_group: Any, typed: GRPOConfig) -> Any:

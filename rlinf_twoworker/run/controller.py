@@ -17,12 +17,12 @@ import copy
 import importlib
 import os
 import time
-import traceback
 from pathlib import Path
 from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlinf_twoworker.cluster.connect import ray_name
 from rlinf_twoworker.cluster.memory_parts import model_shapes
 from rlinf_twoworker.cluster.memory_plan import (
     MemoryPlan,
@@ -45,6 +45,7 @@ from rlinf_twoworker.run import lifecycle, ray_metrics
 from rlinf_twoworker.run.group import ComponentGroup
 from rlinf_twoworker.run.liveness import Watch, liveness_error, root_cause
 from rlinf_twoworker.run.startup import StartupClock
+from rlinf_twoworker.run.storage_io import StorageIO
 from rlinf_twoworker.storage import checkpoints as ckpt
 from rlinf_twoworker.storage.data import (
     PromptSampler,
@@ -53,7 +54,6 @@ from rlinf_twoworker.storage.data import (
     validation_samples,
 )
 from rlinf_twoworker.storage.metrics import MetricsWriter
-from rlinf_twoworker.storage.rundir import RunLog, write_failure
 
 TRAINING_MODULES = (
     "rlinf_twoworker.engines.models",
@@ -125,7 +125,8 @@ class RunController:
         self.cfg = typed
         self.run_dir = Path(run_dir)
         self.run_id = self.cfg.runner.experiment_name
-        self.log = RunLog(self.run_dir)
+        self.io = StorageIO(self.run_dir, self.run_id)  # file calls: never on the event loop
+        self.log = self.io.log
         self.classes = classes
         self.steps: dict[int, _Future] = {}
         self.checkpoints: dict[int, _Future] = {}
@@ -296,7 +297,7 @@ class RunController:
                 await asyncio.to_thread(self._release)
             finally:
                 if failure is not None:
-                    self._fail(*failure)
+                    await self._fail(*failure)
 
     async def _setup(self) -> None:
         from rlinf_twoworker.cluster.preflight import Beside, preflight
@@ -304,7 +305,7 @@ class RunController:
 
         cfg, timeouts, clock = self.cfg, self.cfg.runner.timeouts, self.clock
         placement = cfg.placement
-        name = f"{self.run_id}:pg"
+        name = ray_name(self.run_dir, "pg")
         self.phase = "placement"
         with clock.phase("placement"):
             if self.callers_group is not None:  # the caller's: never ours to remove
@@ -456,7 +457,7 @@ class RunController:
         from rlinf_twoworker.run.step import sync_weights
         from rlinf_twoworker.run.warmup import WarmUp
 
-        self.resume_from = ckpt.resume_source(self.cfg, self.run_dir)
+        self.resume_from = await self.io.call(ckpt.resume_source, self.cfg, self.run_dir)
         if self.resume_from is not None:
             with self.clock.phase("restore"):
                 self.resume_step = await checkpointing.restore(
@@ -487,13 +488,14 @@ class RunController:
             log=self.log.info,
         )
         if source is not None:
-            sampler.load_state_dict(ckpt.load_data_state(source)["sampler"])
+            sampler.load_state_dict((await self.io.call(ckpt.load_data_state, source))["sampler"])
             for step in range(1, self.resume_step + 1):  # steps done by the run resumed from
                 self._step_future(step).set(StepResult(step, {}, {}))
                 if step in ckpt.scheduled_steps(cfg, self.total_steps):
-                    self._checkpoint_future(step).set(ckpt.inherited_info(source, step))
+                    info = await self.io.call(ckpt.inherited_info, source, step)
+                    self._checkpoint_future(step).set(info)
             self.steps_done = self.resume_step
-        writer = await asyncio.to_thread(MetricsWriter, cfg.log_dir)
+        writer = await self.io.call(MetricsWriter, cfg.log_dir)
         try:
             for step in range(self.resume_step + 1, self.total_steps + 1):
                 self.current_step, self.phase = step, f"step {step}"
@@ -528,9 +530,9 @@ class RunController:
                     result.metrics.update(val)
                 result.metrics.update(await lifecycle.memory_metrics(group, cfg))
                 self.last, self.last_step = {**result.metrics, **result.timings}, step
-                writer.write(step, self.last)
-                ray_metrics.export_step(self.run_id, step, self.last)
                 self.log.info(_step_line(step, self.total_steps, result))
+                await self.io.call(writer.write, step, self.last)  # after the line: both written
+                ray_metrics.export_step(self.run_id, step, self.last)
                 self.steps_done = step
                 self._step_future(step).set(result)
                 if step in ckpt.scheduled_steps(cfg, self.total_steps):
@@ -543,11 +545,13 @@ class RunController:
                         {"sampler": sampler.state_dict(), "step": step},
                         self.log,
                     )
-                    self.log.info(f"CHECKPOINT step={step} dir={info.directory}")
+                    await self.io.call(
+                        self.log.info, f"CHECKPOINT step={step} dir={info.directory}"
+                    )
                     self._checkpoint_future(step).set(info)
             await group.settle()  # calls nothing waited for (the last sync's release)
-        finally:
-            writer.close()
+        finally:  # queued, not awaited: a cancel must not wait for a stalled storage
+            self.log.later(writer.close)
         self.log.info(f"Step limit given by max_steps={self.total_steps} reached. Stopping run")
         self.log.status("RLINF_PYTHON_EXIT_CODE=0")
 
@@ -565,9 +569,8 @@ class RunController:
             dict[str, Any], OmegaConf.to_container(self.raw_cfg.cluster.component_placement)
         )
         expected = expected_from_config(self.cfg, placement, self.total_steps)
-        return await asyncio.to_thread(
-            verify_run, self.run_dir, expected=expected, log=self.log.status
-        )
+        # In the storage thread: every line logged before is on disk, and so are its own.
+        return await self.io.call(verify_run, self.run_dir, expected=expected, log=self.log.status)
 
     # ---- failure detection -------------------------------------------------------------------
     @property
@@ -589,19 +592,16 @@ class RunController:
                 return
 
     # ---- failure and clean-up ----------------------------------------------------------------
-    def _fail(self, exc: BaseException, state: str) -> None:
-        self.error, self.state = exc, state
+    async def _fail(self, exc: BaseException, state: str) -> None:
+        """Record the failure (a stalled storage holds it at most _poll_s), then fail the futures."""
+        self.error, self.state, self.phase = exc, state, state
         ray_metrics.export_state(self.run_id, state)
-        detail = "".join(traceback.format_exception(exc)) if state == "failed" else str(exc)
-        summary = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-        self.log.info(f"RUN_{state.upper()} error={type(exc).__name__}: {summary}")
-        with open(self.run_dir / "log" / "main.log", "a", encoding="utf-8") as handle:
-            handle.write(detail + "\n")
-        write_failure(self.run_dir, exc, state, self.current_step)
-        self.phase = state
-        futures = [*self.steps.values(), *self.checkpoints.values()]
-        for future in [*futures, self.preflight_f, self.result_f, self.placement_f]:
-            future.fail(exc)
+        try:
+            await self.io.record_failure(exc, state, self.current_step, self._poll_s)
+        finally:
+            futures = [*self.steps.values(), *self.checkpoints.values()]
+            for future in [*futures, self.preflight_f, self.result_f, self.placement_f]:
+                future.fail(exc)
 
     def _release(self) -> None:
         if self.group is not None:

@@ -10,14 +10,18 @@ pathological expression cannot stall later steps.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import multiprocessing
 import os
 import pickle
+import signal
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
@@ -62,8 +66,30 @@ class _DropTimeoutNotice(logging.Filter):
         return not record.getMessage().startswith("Timeout is disabled")
 
 
-def _worker_main(conn: Connection, grader: Grader) -> None:
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Make this grading process die with the process that started it, even killed with
+    SIGKILL while it grades (an idle one also ends on its pipe's EOF): on Linux the kernel
+    sends SIGKILL when the starting thread ends (MathReward starts them from a thread it keeps
+    for that), and a parent that died before prctl is seen by the parent pid changing."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            logging.getLogger(__name__).warning(
+                "grading process %d: prctl(PR_SET_PDEATHSIG) failed (errno %d); it may "
+                "outlive a killed reward actor while it grades",
+                os.getpid(),
+                ctypes.get_errno(),
+            )
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def _worker_main(conn: Connection, grader: Grader, parent_pid: int) -> None:
     """Loop of a grading process: receive (answer, solutions), send (correct, error or None)."""
+    _die_with_parent(parent_pid)
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).addFilter(_DropTimeoutNotice())
     conn.send("ready")
@@ -134,6 +160,9 @@ class MathReward:
         self._workers: list[_Worker] = []
         self._ctx = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
+        # The grading processes die when the thread that started them ends (_die_with_parent):
+        # this one lives as long as this object, whichever threads call score() and warm_up().
+        self._starter = ThreadPoolExecutor(1, thread_name_prefix="math-grader-start")
 
     def score(self, answers: Sequence[str], solutions: Sequence[Sequence[str]]) -> list[float]:
         """+reward_scale for each answer that matches one of its solutions, else -reward_scale."""
@@ -208,9 +237,12 @@ class MathReward:
         while len(self._workers) < wanted:
             parent, child = self._ctx.Pipe()
             process = self._ctx.Process(
-                target=_worker_main, args=(child, self.grader), daemon=True, name="math-grader"
+                target=_worker_main,
+                args=(child, self.grader, os.getpid()),
+                daemon=True,
+                name="math-grader",
             )
-            process.start()
+            self._starter.submit(process.start).result(timeout=_STARTUP_TIMEOUT_S)
             child.close()
             self._workers.append(_Worker(process, parent))
 
