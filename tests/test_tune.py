@@ -1,6 +1,8 @@
 """Ray Tune: two trials at once on one real 2-node cluster, each a GRPO run inside its trial's
 placement group (2 nodes x 1 GPU), each verified, each in its own run directory; the trial's
-parameters are config overrides, checked by name."""
+parameters are config overrides, checked by name. A trial that fails is retried by Tune from its
+last checkpoint, which Tune holds as a pointer to the run's own checkpoint, in a new run
+directory that names its parent."""
 
 from __future__ import annotations
 
@@ -8,17 +10,32 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import ray
 
-pytest.importorskip("ray.tune", reason="the [tune] extra is not installed")
+tune = pytest.importorskip("ray.tune", reason="the [tune] extra is not installed")
 
 from omegaconf import OmegaConf  # noqa: E402
 
 from rlinf_twoworker.api.demo import demo_config, make_inputs  # noqa: E402
-from rlinf_twoworker.api.tune import trial_config, trial_resources  # noqa: E402
-from rlinf_twoworker.errors import ConfigError  # noqa: E402
+from rlinf_twoworker.api.tune import (  # noqa: E402
+    POINTER_JSON,
+    TRIAL_JSON,
+    attempt_config,
+    grpo_trainable,
+    read_pointer,
+    trial_config,
+    trial_resources,
+)
+from rlinf_twoworker.errors import ConfigError, TwoWorkerError  # noqa: E402
+from rlinf_twoworker.workers.actor import ActorWorker  # noqa: E402
+
+# The injected actor travels by value inside the trainable: the workers cannot import this module.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+FAILED_ONCE = Path(tempfile.mkdtemp(prefix="rlinf-tune-")) / "actor-failed-at-step-2"
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ONE_GPU_A_NODE = [
@@ -92,3 +109,95 @@ def test_the_sweep_example_runs_two_trials_at_once_each_in_its_group(cluster_2x2
 
 def report_mtime(run: Path) -> float:
     return (run / "verification.json").stat().st_mtime
+
+
+class FailingOnceActor(ActorWorker):
+    """Raises in step 2's update (counted in minibatches: a pipelined step calls train_step once
+    a minibatch), once: the marker file lets the retried trial's run get past it."""
+
+    def train_step(self, shards):
+        self.minibatches = getattr(self, "minibatches", 0) + len(shards)
+        if self.minibatches > self.cfg.algorithm.n_minibatches and not FAILED_ONCE.exists():
+            FAILED_ONCE.touch()
+            raise RuntimeError("injected failure in step 2's update (first attempt only)")
+        return super().train_step(shards)
+
+
+def test_attempts_get_new_run_dirs_and_a_pointer_must_name_a_complete_checkpoint(tmp_path):
+    inputs = make_inputs(tmp_path / "inputs")
+    cfg = trial_config(demo_config(inputs, tmp_path, "sweep", ONE_GPU_A_NODE), {}, "t_00000")
+    first, attempt = attempt_config(cfg, None)
+    assert (first.runner.experiment_name, attempt, first.runner.resume_dir) == (
+        "sweep-t_00000",
+        0,
+        None,
+    )
+    (tmp_path / "sweep-t_00000").mkdir()
+    (tmp_path / "sweep-t_00000-r1").mkdir()
+    again, attempt = attempt_config(cfg, None)  # a retry before any checkpoint: afresh, anew
+    assert (again.runner.experiment_name, attempt) == ("sweep-t_00000-r2", 2)
+    gone = tmp_path / "sweep-t_00000" / "checkpoints" / "global_step_1"
+    pointer = {
+        "checkpoint": str(gone),
+        "run_dir": str(gone.parent.parent),
+        "run_id": "x",
+        "step": 1,
+    }
+    with pytest.raises(
+        TwoWorkerError, match="step 1, which cannot be resumed from.*does not exist"
+    ):
+        attempt_config(cfg, pointer)
+
+    assert read_pointer(None) is None
+    (tmp_path / "foreign").mkdir()
+    with pytest.raises(TwoWorkerError, match=f"has no {POINTER_JSON}"):
+        read_pointer(tune.Checkpoint.from_directory(str(tmp_path / "foreign")))
+    (tmp_path / "foreign" / POINTER_JSON).write_text(json.dumps({"checkpoint": str(gone)}))
+    with pytest.raises(TwoWorkerError, match="lacks"):
+        read_pointer(tune.Checkpoint.from_directory(str(tmp_path / "foreign")))
+
+
+@pytest.mark.slow
+def test_a_failed_trial_is_retried_from_its_checkpoint_held_by_reference(cluster_2x2, tmp_path):
+    inputs = make_inputs(tmp_path / "inputs")
+    runs = tmp_path / "runs"
+    steps = ["runner.max_steps=3", "runner.save_interval=1"]
+    cfg = demo_config(inputs, runs, "retry", [*ONE_GPU_A_NODE, *steps])
+    trainable = grpo_trainable(cfg, component_classes={"actor": FailingOnceActor})
+    tuner = tune.Tuner(
+        tune.with_resources(trainable, trial_resources(cfg)),
+        run_config=tune.RunConfig(
+            storage_path=str(tmp_path / "tune"),
+            name="retry",
+            verbose=0,
+            failure_config=tune.FailureConfig(max_failures=1),
+        ),
+    )
+    (result,) = tuner.fit()
+    assert FAILED_ONCE.exists()  # the first attempt did fail
+    assert result.error is None, result.error
+    assert result.metrics["step"] == 3 and result.metrics["verification_passed"] is True
+    assert result.metrics["training_iteration"] == 3  # one report a step, none repeated
+    assert result.metrics["rollout/reward_scores"] is not None
+
+    first, retried = sorted(p for p in runs.iterdir() if p.name.startswith("retry-"))
+    assert retried.name == f"{first.name}-r1"
+    assert json.loads((first / "failure.json").read_text())["step"] == 2
+    resumed = json.loads((retried / "resumed_from.json").read_text())
+    assert resumed["run_dir"] == str(first) and resumed["step"] == 1
+    assert resumed["checkpoint"] == str(first / "checkpoints" / "global_step_1")
+    trial = json.loads((retried / TRIAL_JSON).read_text())
+    assert trial["attempt"] == 1 and trial["trial_id"] == result.metrics["trial_id"]
+    assert trial["parent"]["run_dir"] == str(first) and trial["parent"]["step"] == 1
+    assert json.loads((first / TRIAL_JSON).read_text())["parent"] is None
+    assert json.loads((retried / "verification.json").read_text())["passed"]
+
+    # Tune holds a pointer to the run's own checkpoint, not a copy of its shards.
+    stored = Path(result.checkpoint.path)
+    assert sorted(p.name for p in stored.iterdir()) == [POINTER_JSON]
+    assert (stored / POINTER_JSON).stat().st_size < 1024
+    pointer = json.loads((stored / POINTER_JSON).read_text())
+    assert pointer["checkpoint"] == str(retried / "checkpoints" / "global_step_3")
+    assert pointer["run_dir"] == str(retried) and pointer["step"] == 3
+    assert not list((tmp_path / "tune").rglob("*.distcp"))
+    assert not list((tmp_path / "tune").rglob("data.pt"))
