@@ -46,6 +46,7 @@ FAILED_RUN_FILES = {
     "hydra/.hydra/overrides.yaml",
     "preflight.json",
     "failure.json",
+    "lineage.json",
 }
 
 
