@@ -328,5 +328,8 @@ def demo_config(
         "algorithm.group_size=2",
         "data.rollout_batch_size=8",
         "algorithm.n_minibatches=4",
+        # The demo model answers a bare digit (its answer prior): math_verify reads it, while
+        # RLinf's grader (the default) scores every unboxed answer wrong, so nothing would train.
+        "reward.grader=math_verify",
     ]
     return load_config(overrides=[*demo, *overrides])

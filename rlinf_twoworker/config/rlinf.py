@@ -217,7 +217,7 @@ RULES: tuple[Rule, ...] = (
     Rule("actor.fsdp_config.amp_autocast", None, "see actor.fsdp_config.mixed_precision"),
     Rule("actor.fsdp_config.grad_scaler", None, "loss scaling is for fp16; bf16 needs none"),
     Rule("reward.group_name", None, _NAME),
-    Rule("reward.use_reward_model", (False,), "rewards are graded by math_verify; set false"),
+    Rule("reward.use_reward_model", (False,), "rewards are graded by reward.grader; set false"),
     Rule("reward.tokenizer", None, "answers are decoded with actor.tokenizer.tokenizer_model"),
 )
 

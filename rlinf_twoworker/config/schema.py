@@ -20,6 +20,7 @@ from rlinf_twoworker import components
 from rlinf_twoworker.config.placement import Placement, resolve_placement
 from rlinf_twoworker.config.rlinf import EngineSettings, FsdpConfig, HydraConfig, LoggerConfig
 from rlinf_twoworker.errors import ConfigError
+from rlinf_twoworker.rewards.graders import GRADERS
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -784,7 +785,10 @@ class RewardConfig:
     reward_scale: float = 5.0
     """A correct answer scores +reward_scale, a wrong one -reward_scale."""
     timeout_s: float = 10.0
-    """Per-answer grading timeout; an answer that times out scores as wrong."""
+    """Per-answer grading timeout; an answer that times out scores as wrong (RLinf: 10 s)."""
+    grader: str = "rlinf"
+    """How an answer is judged: 'rlinf' (RLinf's math verifier: the last \\boxed{}, sympy
+    equivalence within a relative 1e-4, no box is wrong) or 'math_verify' (HF math_verify)."""
     group_name: str = "RewardGroup"
     use_reward_model: bool = False
     tokenizer: dict[str, Any] = field(default_factory=dict)
@@ -794,6 +798,12 @@ class RewardConfig:
             self.reward_type == "math", "reward.reward_type", self.reward_type, "must be 'math'"
         )
         _require(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "must be > 0")
+        _require(
+            self.grader in GRADERS,
+            "reward.grader",
+            self.grader,
+            f"must be one of {', '.join(GRADERS)}",
+        )
 
 
 @dataclass(kw_only=True)

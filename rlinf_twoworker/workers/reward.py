@@ -1,10 +1,12 @@
-"""Math reward: +scale when math_verify finds the answer equal to a gold solution, else -scale.
+"""Math reward: +scale when the grader finds the answer equal to a gold solution, else -scale.
+
+The grader is RLinf's (rewards.rlinf_grader, the default) or HF math_verify (reward.grader).
 
 Grading runs in a few spawned worker processes, one answer per worker at a time, for one reason:
-a hard per-answer timeout. math_verify's own timeouts use signal.alarm, which works only in a
-process's main thread, and a Ray actor method (or `asyncio.to_thread`) is not one. A worker that
-runs past `timeout_s` is killed, its answer scored wrong, and a fresh worker takes its place, so a
-pathological expression cannot stall later steps.
+a hard per-answer timeout (RLinf's is 10 s). math_verify's own timeouts use signal.alarm, which
+works only in a process's main thread, and a Ray actor method (or `asyncio.to_thread`) is not
+one; RLinf's grader sets none. A worker that runs past `timeout_s` is killed, its answer scored
+wrong, and a fresh worker takes its place, so a pathological expression cannot stall later steps.
 """
 
 from __future__ import annotations
@@ -26,37 +28,26 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
-from math_verify import parse, verify
-
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.errors import TwoWorkerError
+from rlinf_twoworker.rewards.graders import GRADERS
+from rlinf_twoworker.rewards.math_verify_grader import grade_math_verify
+from rlinf_twoworker.rewards.rlinf_grader import environment_problem, grade_rlinf
 
 if TYPE_CHECKING:
     from rlinf_twoworker.messages import Graded
 
 Grader = Callable[[str, Sequence[str]], bool]
 _STARTUP_TIMEOUT_S = 120.0
-"""A worker must import math_verify (and answer 'ready') within this time."""
+"""A worker must start (and answer 'ready') within this time."""
 
 
 class RewardError(TwoWorkerError):
     """The reward's grading workers could not be started."""
 
 
-def grade_one(answer: str, solutions: Sequence[str]) -> bool:
-    """True when math_verify finds `answer` equal to any of `solutions`.
-
-    math_verify's signal-based timeouts are turned off (they fail outside a main thread); the
-    caller bounds the time, as MathReward does with its worker processes.
-    """
-    predicted = parse(answer, parsing_timeout=None)
-    if not predicted:
-        return False
-    for solution in solutions:
-        gold = parse(solution, parsing_timeout=None)
-        if gold and verify(gold, predicted, timeout_seconds=None):
-            return True
-    return False
+grade_one = grade_math_verify
+"""The math_verify grader under its former name (reward.grader=math_verify)."""
 
 
 class _DropTimeoutNotice(logging.Filter):
@@ -131,11 +122,11 @@ class _Worker:
 
 
 class MathReward:
-    """Scores answers against gold solutions with math_verify under a hard per-answer timeout.
+    """Scores answers against gold solutions under a hard per-answer timeout.
 
-    `grader` replaces grade_one (it must be picklable: a module-level function), which tests use
-    to make an answer hang. `last_stats` describes the latest score() call: correct + wrong is the
-    number of answers; timed_out and errors (grader exceptions, dead workers) are counted among
+    `grader` judges one answer against its solutions: RLinf's (grade_rlinf, the default) or
+    math_verify's (grade_one), or any picklable module-level function (tests make one hang).
+    `last_stats` describes the latest score() call: correct + wrong is the number of answers; timed_out and errors (grader exceptions, dead workers) are counted among
     the wrong ones; seconds is the call's wall time. Thread-safe: calls are serialised.
     """
 
@@ -144,7 +135,7 @@ class MathReward:
         reward_scale: float = 5.0,
         timeout_s: float = 10.0,
         num_workers: int | None = None,
-        grader: Grader = grade_one,
+        grader: Grader = grade_rlinf,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"reward.timeout_s={timeout_s} must be > 0")
@@ -154,6 +145,8 @@ class MathReward:
             raise ValueError(
                 f"grader {grader!r} must be picklable (a module-level function): {exc}"
             ) from exc
+        if grader is grade_rlinf and (problem := environment_problem()):
+            raise RewardError(f"math reward on {os.uname().nodename}: {problem}")
         self.reward_scale, self.timeout_s, self.grader = reward_scale, timeout_s, grader
         self.num_workers = num_workers or min(4, os.cpu_count() or 1)
         self.last_stats: dict[str, float] = {}
@@ -187,11 +180,13 @@ class MathReward:
         return await asyncio.to_thread(self.score, answers, solutions)
 
     def warm_up(self) -> None:
-        """Start every grading process and grade one trivial answer in each (math_verify's
-        import), so the run's first step does not wait for them. Under the lock throughout:
+        """Start every grading process and grade one trivial answer in each (the grader's
+        imports), so the run's first step does not wait for them. Under the lock throughout:
         a score() meanwhile waits, and its stats are never this warm-up's."""
         with self._lock:
-            self._grade_all([("0", ["0"])] * self.num_workers)
+            # An answer either grader parses as LaTeX and compares through sympy, so that each
+            # process has imported all it grades with.
+            self._grade_all([("\\boxed{\\frac{1}{2}}", ["\\sqrt{2}"])] * self.num_workers)
             counts = {"timed_out": 0, "errors": 0}
             # The ones that got no answer may still be importing: wait for them.
             while any(not w.ready for w in self._workers):
@@ -283,7 +278,8 @@ class MathReward:
             raise RewardError(
                 f"a math grading process exited while starting (exit code "
                 f"{worker.process.exitcode}); the grader must be importable in a fresh Python "
-                "process, and math_verify installed on this node"
+                "process, and its packages (sympy, latex2sympy2, math_verify) installed on this "
+                "node"
             )
         counts["errors"] += 1  # its answer stays scored wrong
 
@@ -314,7 +310,9 @@ class RewardWorker:
 
     def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
         self.began = time.time()  # the process started and imported its worker module
-        self.grader = MathReward(cfg.reward.reward_scale, cfg.reward.timeout_s)
+        self.grader = MathReward(
+            cfg.reward.reward_scale, cfg.reward.timeout_s, grader=GRADERS[cfg.reward.grader]
+        )
         self.rank = rank
 
     async def warm_up_grader(self) -> dict[str, Any]:
