@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from rlinf_twoworker.api.demo import demo_config, make_inputs
 from rlinf_twoworker.config import to_typed
@@ -233,9 +234,19 @@ def test_lr_schedules_follow_rlinfs_fsdp_keys(world):
     # warm-up from 0 over 4 optimiser steps, then constant
     warm = lrs(["actor.optim.lr_warmup_steps=4"], 6)
     assert warm == pytest.approx([0.0, 0.5e-5, 1e-5, 1.5e-5, 2e-5, 2e-5])
-    # cosine over max_steps x n_minibatches = 8 steps, down to min_lr 0: halfway is lr / 2
-    cosine = lrs(["actor.optim.lr_scheduler=cosine"], 5)
+    # cosine over total_training_steps = 8 steps, down to min_lr 0: halfway is lr / 2
+    cosine = lrs(["actor.optim.lr_scheduler=cosine", "actor.optim.total_training_steps=8"], 5)
     assert cosine[0] == pytest.approx(2e-5) and cosine[4] == pytest.approx(1e-5)
+    # total_training_steps unset is 0, as RLinf's FSDP actor reads it (never the run's steps):
+    # its cosine is transformers' over 0 steps (hybrid_engines/fsdp/utils.py get_lr_scheduler)
+    reference = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-5)
+    rlinf = get_cosine_with_min_lr_schedule_with_warmup(reference, 0, 0, 0.5, min_lr=0.0)
+    expected = []
+    for _ in range(4):
+        expected.append(reference.param_groups[0]["lr"])
+        reference.step()
+        rlinf.step()
+    assert lrs(["actor.optim.lr_scheduler=cosine"], 4) == pytest.approx(expected)
 
 
 def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(world, tmp_path, caplog):

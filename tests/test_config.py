@@ -14,6 +14,7 @@ from rlinf_twoworker.config import (
     to_typed,
 )
 from rlinf_twoworker.config.overrides import parse_override
+from rlinf_twoworker.config.rlinf import CODE_DEFAULTS
 from rlinf_twoworker.errors import ConfigError
 
 # The two-Worker tutorial's override list, as its Driver command passes it.
@@ -583,6 +584,63 @@ def test_rlinf_yaml_on_its_own_one_node_topology(rlinf_yaml: Path):
     assert cfg.data.seed == 1
 
 
+def test_keys_a_file_omits_take_rlinfs_in_code_defaults(rlinf_yaml: Path, tmp_path: Path):
+    """RLinf reads these with `.get(key, default)`: a file without the key runs with that."""
+    text = rlinf_yaml.read_text()
+    for line in (
+        "  clip_ratio_c: null\n",
+        "  shuffle_rollout: False\n",
+        "  n_minibatches: 4\n",
+        "  max_tokens_per_mbs: 1024\n",
+        "  seed: 1\n",
+        "    adam_eps: 1.0e-05\n",
+        "    weight_decay: 0.05\n",
+    ):
+        assert text.count(line) == 1, line
+        text = text.replace(line, "")
+    path = tmp_path / "omits.yaml"
+    path.write_text(text)
+    four = ["cluster.num_gpus_per_node=4"]  # the file's own placement on one node
+    got = {d.key: OmegaConf.select(load_config(path, four), d.key) for d in CODE_DEFAULTS}
+    assert got == {d.key: d.value for d in CODE_DEFAULTS}
+    # the starting config gives each key but save_full_model_weights: its values stand
+    full = load_config(rlinf_yaml, four)
+    given = {d.key: OmegaConf.select(full, d.key) for d in CODE_DEFAULTS}
+    assert given == {
+        "algorithm.clip_ratio_c": None,
+        "algorithm.shuffle_rollout": False,
+        "algorithm.n_minibatches": 4,
+        "runner.max_tokens_per_mbs": 1024,
+        "data.seed": 1,
+        "actor.optim.adam_eps": 1e-5,
+        "actor.optim.weight_decay": 0.05,
+        "actor.fsdp_config.save_full_model_weights": True,
+    }
+    # overrides still win, the tutorial's '+' key included
+    over = load_config(
+        path,
+        [*four, "algorithm.clip_ratio_c=null", "+actor.fsdp_config.save_full_model_weights=false"],
+    )
+    assert over.algorithm.clip_ratio_c is None
+    assert over.actor.fsdp_config.save_full_model_weights is False
+    # a file without the key's section overlays the library's defaults
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("runner:\n  max_steps: 3\n")
+    cfg = load_config(partial)
+    assert cfg.runner.max_tokens_per_mbs == 2048 and cfg.runner.max_steps == 3
+    assert (cfg.algorithm.clip_ratio_c, cfg.algorithm.shuffle_rollout, cfg.data.seed) == (
+        None,
+        False,
+        1234,
+    )
+
+
+def test_total_training_steps_unset_is_zero_as_rlinf(rlinf_yaml: Path):
+    assert to_typed(load_config()).actor.optim.total_training_steps == 0
+    typed = to_typed(load_config(rlinf_yaml, ["cluster.num_gpus_per_node=4"]))
+    assert typed.actor.optim.total_training_steps == 0
+
+
 def test_unknown_key_in_a_file_names_key_value_and_file(rlinf_yaml: Path, tmp_path: Path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(
@@ -652,6 +710,13 @@ VALIDATION_CASES = [
     ("runner.save_interval=0", "runner.save_interval", 0, "-1 or >= 1"),
     ("data.rollout_batch_size=-8", "data.rollout_batch_size", -8, ">= 1"),
     ("algorithm.group_size=-2", "algorithm.group_size", -2, ">= 1"),
+    ("algorithm.group_size=1", "algorithm.group_size", 1, "RLinf asserts group_size > 1"),
+    (
+        "actor.optim.total_training_steps=-1",
+        "actor.optim.total_training_steps",
+        -1,
+        "must be >= 0",
+    ),
     ("algorithm.n_minibatches=-4", "algorithm.n_minibatches", -4, ">= 1"),
     (
         "algorithm.training_batch_size_per_gpu=0",

@@ -123,6 +123,39 @@ def test_sampler_epochs_drop_the_remainder_and_reshuffle():
     assert epoch0 != epoch1
 
 
+def _rlinf_batches(num_samples: int, batch_size: int, seed: int, steps: int) -> list[list[int]]:
+    """RLinf's training loader's batches (rlinf/runners/reasoning_runner.py:166-186): a torch
+    RandomSampler over a generator seeded once with data.seed, batched with drop_last, one
+    pass a epoch (`for batch in self.train_dataloader` inside the epoch loop)."""
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    sampler = torch.utils.data.RandomSampler(range(num_samples), generator=generator)
+    batches = torch.utils.data.BatchSampler(sampler, batch_size, drop_last=True)
+    out: list[list[int]] = []
+    while len(out) < steps:
+        out.extend(list(batch) for batch in batches)
+    return out[:steps]
+
+
+@pytest.mark.parametrize(("num_samples", "batch_size"), [(10, 4), (12, 4), (50, 8), (7, 7)])
+def test_sampler_order_is_rlinfs_across_epochs(num_samples, batch_size):
+    steps = 4 * (num_samples // batch_size) + 1  # four epochs and a step of the fifth
+    expected = _rlinf_batches(num_samples, batch_size, 1234, steps)
+    assert _draw(PromptSampler(num_samples, batch_size, True, 1234), steps) == expected
+
+
+def test_sampler_resumed_anywhere_continues_rlinfs_order(tmp_path):
+    expected = _rlinf_batches(10, 3, 1, 12)
+    for stop in range(1, 11):  # stops inside an epoch and at epoch boundaries
+        original = PromptSampler(10, 3, shuffle=True, seed=1)
+        assert _draw(original, stop) == expected[:stop]
+        torch.save({"sampler": original.state_dict()}, tmp_path / "data.pt")
+        state = torch.load(tmp_path / "data.pt", weights_only=True)["sampler"]
+        resumed = PromptSampler(10, 3, shuffle=True, seed=1)
+        resumed.load_state_dict(state)
+        assert _draw(resumed, 12 - stop) == expected[stop:], stop
+
+
 def test_sampler_without_shuffle_walks_in_order():
     sampler = PromptSampler(10, 4, shuffle=False, seed=0)
     assert _draw(sampler, 3) == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]
@@ -163,12 +196,16 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", unk_token="[UNK]")
 
 
-def test_encode_prompts_truncates_from_the_left_with_one_warning(tokenizer):
+def test_encode_prompts_keeps_the_first_tokens_as_rlinf_with_one_warning(tokenizer):
+    """RLinf's ReasoningDataset: `tokenizer.encode(prompt)[: max_prompt_length]`, BOS kept."""
     warnings: list[str] = []
-    ids = encode_prompts(tokenizer, ["a b c d", "a", "d c b a"], 3, log=warnings.append)
-    assert ids == [[3, 4, 5], [1, 2], [4, 3, 2]]
+    prompts = ["a b c d", "a", "d c b a"]
+    ids = encode_prompts(tokenizer, prompts, 3, log=warnings.append)
+    assert ids == [tokenizer.encode(p)[:3] for p in prompts]
+    assert ids == [[1, 2, 3], [1, 2], [1, 5, 4]]
     assert len(warnings) == 1
     assert "2 of 3 prompts" in warnings[0] and "data.max_prompt_length=3" in warnings[0]
+    assert "first 3 tokens" in warnings[0]
 
 
 def test_encode_prompts_special_tokens(tokenizer):

@@ -15,7 +15,7 @@ from rlinf_twoworker.config.overrides import (
     omegaconf_reason,
     register_rlinf_resolvers,
 )
-from rlinf_twoworker.config.rlinf import check_rules
+from rlinf_twoworker.config.rlinf import apply_code_defaults, check_rules
 from rlinf_twoworker.config.schema import GRPOConfig
 from rlinf_twoworker.errors import ConfigError
 
@@ -31,6 +31,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     given: set[str] = set()
     if path is not None:
         cfg = merge_file(cfg, Path(path), given)
+        apply_code_defaults(cfg, given)  # what RLinf's code reads for keys the file omits
     for text in overrides:
         apply_override(cfg, text, given)
     config_notes(cfg, to_typed(cfg))  # every __post_init__ rule, then RLinf's key rules
@@ -56,6 +57,15 @@ def config_notes(cfg: DictConfig, typed: GRPOConfig | None = None) -> list[str]:
             "micro-batches, so the gradient does not change (RLinf refuses dynamic batches in "
             "its pipeline mode; in its collocated mode it normalises per token-balanced "
             "micro-batch instead)"
+        )
+    optim = typed.actor.optim
+    if optim.lr_scheduler == "cosine" and not optim.total_training_steps:
+        notes.append(
+            "actor.optim.lr_scheduler=cosine with actor.optim.total_training_steps unset (0, "
+            "as RLinf reads it): the cosine runs over 0 steps, so the lr swings between "
+            "actor.optim.lr and its floor each optimiser step, as in RLinf; set "
+            "actor.optim.total_training_steps (runner.max_steps x algorithm.n_minibatches = "
+            f"{typed.runner.max_steps * typed.algorithm.n_minibatches} here) for a decay"
         )
     inference_tokenizer = typed.inference.tokenizer.tokenizer_model
     if inference_tokenizer and inference_tokenizer != typed.tokenizer_path:

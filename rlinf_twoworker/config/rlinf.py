@@ -334,3 +334,40 @@ def check_rules(cfg: DictConfig, defaults: DictConfig) -> list[str]:
         if rule.allowed is None and plain != _plain(OmegaConf.select(defaults, rule.key)):
             notes.append(f"{rule.key}={plain!r} accepted: {rule.why}")
     return notes
+
+
+@dataclass(frozen=True)
+class CodeDefault:
+    """A key RLinf reads with `.get(key, value)`: a YAML file that omits it runs with `value`."""
+
+    key: str
+    value: Any
+    where: str
+    """Where RLinf reads it, at the pinned commit."""
+
+
+CODE_DEFAULTS: tuple[CodeDefault, ...] = (
+    CodeDefault("algorithm.clip_ratio_c", 3.0, "workers/actor/fsdp_actor_worker.py:720"),
+    CodeDefault("algorithm.shuffle_rollout", True, "workers/actor/fsdp_actor_worker.py:916"),
+    CodeDefault("algorithm.n_minibatches", 1, "config.py:1353"),
+    CodeDefault("runner.max_tokens_per_mbs", 2048, "workers/actor/fsdp_actor_worker.py:167"),
+    CodeDefault("data.seed", 1, "runners/reasoning_runner.py:168"),
+    CodeDefault("actor.optim.adam_eps", 1e-8, "hybrid_engines/fsdp/fsdp_model_manager.py:517"),
+    CodeDefault("actor.optim.weight_decay", 1e-2, "hybrid_engines/fsdp/fsdp_model_manager.py:518"),
+    CodeDefault(
+        "actor.fsdp_config.save_full_model_weights",
+        True,
+        "hybrid_engines/fsdp/fsdp_model_manager.py:381",
+    ),
+)
+"""RLinf's in-code defaults that differ from the schema's (the starting config's values)."""
+
+
+def apply_code_defaults(cfg: DictConfig, file_keys: set[str]) -> None:
+    """Give each CODE_DEFAULTS key that a YAML file omits RLinf's in-code value, where the file
+    has the key's section (a file without the section is an overlay on the library's
+    defaults, not a config RLinf could run)."""
+    for default in CODE_DEFAULTS:
+        section = default.key.rpartition(".")[0]
+        if section in file_keys and default.key not in file_keys:
+            OmegaConf.update(cfg, default.key, default.value)

@@ -444,6 +444,14 @@ class AlgorithmConfig:
         ):
             value = getattr(self, name)
             _require(value >= 1, f"algorithm.{name}", value, "must be >= 1")
+        _require(
+            self.group_size >= 2,
+            "algorithm.group_size",
+            self.group_size,
+            "must be >= 2 with algorithm.adv_type='grpo': a group of one answer has no baseline "
+            "(its advantage would divide by a zero std; RLinf asserts group_size > 1); set "
+            "algorithm.group_size to 2 or more",
+        )
         _require(self.adv_type == "grpo", "algorithm.adv_type", self.adv_type, "must be 'grpo'")
         _require(
             self.loss_agg_func in LOSS_AGGREGATIONS,
@@ -619,8 +627,11 @@ class OptimConfig:
     lr_warmup_steps: int = -1
     """Optimiser steps of warm-up; -1: lr_warmup_steps_ratio x total_training_steps."""
     lr_warmup_steps_ratio: float = 0.0
-    total_training_steps: int | None = None
-    """Optimiser steps the cosine runs over; None: the run's (max steps x n_minibatches)."""
+    total_training_steps: int | None = 0
+    """Optimiser steps the cosine (and lr_warmup_steps_ratio) runs over. 0, RLinf's value when
+    the key is unset (rlinf/hybrid_engines/fsdp/fsdp_model_manager.py:480), makes the cosine
+    swing between lr and its floor each optimiser step, as in RLinf: set it (runner.max_steps x
+    algorithm.n_minibatches) with lr_scheduler=cosine. null is taken as 0."""
     num_cycles: float = 0.5
     min_lr: float = 0.0
     """The cosine's floor (ignored when min_lr_rate is set)."""
@@ -645,6 +656,12 @@ class OptimConfig:
             _require(0 <= value < 1, f"actor.optim.{name}", value, "must be in [0, 1)")
         _require(
             self.weight_decay >= 0, "actor.optim.weight_decay", self.weight_decay, "must be >= 0"
+        )
+        _require(
+            self.total_training_steps is None or self.total_training_steps >= 0,
+            "actor.optim.total_training_steps",
+            self.total_training_steps,
+            "must be >= 0 (0: unset, as in RLinf)",
         )
         _require(
             self.lr_scheduler in LR_SCHEDULERS,
@@ -739,11 +756,14 @@ class DataConfig:
     prompt_key: str = "prompt"
     answer_key: str = "solutions"
     max_prompt_length: int = 256
-    """Prompts longer than this (in tokens) are truncated from the left, with a warning."""
+    """A longer prompt keeps its first max_prompt_length tokens, as RLinf cuts it (a warning
+    counts the prompts cut)."""
     rollout_batch_size: int = 8
     """Prompts per GRPO step."""
     shuffle: bool = True
+    """Each epoch in RLinf's shuffled order (storage.data.PromptSampler); false: file order."""
     seed: int = 1234
+    """Seeds the prompt order as RLinf's loader's torch.Generator, and the validation draw."""
     skip_malformed_lines: bool = False
     """Skip (and count) lines that are not valid JSON objects instead of failing."""
     type: str = "math"

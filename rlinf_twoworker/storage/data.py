@@ -120,12 +120,18 @@ def load_jsonl(
 
 
 class PromptSampler:
-    """Seeded, resumable sampler of prompt indices, one rollout batch at a time.
+    """Seeded, resumable sampler of prompt indices, one rollout batch at a time, in RLinf's order.
 
-    Each epoch is a permutation of range(num_samples) derived from (seed, epoch) alone, so any
-    epoch can be recreated after a restart. Batches are consecutive slices of that permutation;
-    when fewer than batch_size indices remain, they are dropped (as RLinf's drop_last loader does)
-    and the next epoch starts. A batch never mixes two epochs, and no index repeats in an epoch.
+    RLinf's reasoning runner (rlinf/runners/reasoning_runner.py:166-186) loads prompts with a
+    torch `RandomSampler` whose `torch.Generator` is seeded once with data.seed, batched with
+    drop_last: epoch e is the generator's (2e+1)-th `torch.randperm(num_samples)`, because each
+    finished epoch draws a second, empty permutation (`RandomSampler.__iter__` draws
+    `randperm(n)[: num_samples % n]` after the full one, and drop_last batching runs the
+    iterator to its end). Without data.shuffle (RLinf's `SequentialSampler`) every epoch is
+    range(num_samples). Batches are consecutive slices of the epoch's order; the tail shorter
+    than batch_size is dropped and the next epoch starts. Any epoch's order is recomputed from
+    (seed, epoch), so the state is two ints and a resumed run draws exactly the prompts the
+    uninterrupted run would have drawn.
     """
 
     def __init__(self, num_samples: int, batch_size: int, shuffle: bool, seed: int) -> None:
@@ -140,15 +146,30 @@ class PromptSampler:
         self.shuffle, self.seed = shuffle, seed
         self.epoch, self.position = 0, 0
         self._perm_epoch = -1
-        self._perm: np.ndarray = np.arange(num_samples)
+        self._perm: list[int] = list(range(num_samples))
+        self._generator: Any = None
+        self._drawn = 0  # permutations the generator has drawn since it was seeded
 
-    def _permutation(self) -> np.ndarray:
+    def _permutation(self) -> list[int]:
         if self._perm_epoch != self.epoch:
             if self.shuffle:
-                rng = np.random.default_rng([self.seed, self.epoch])
-                self._perm = rng.permutation(self.num_samples)
+                self._perm = self._rlinf_order(self.epoch)
             self._perm_epoch = self.epoch
         return self._perm
+
+    def _rlinf_order(self, epoch: int) -> list[int]:
+        """Epoch `epoch`'s order: the generator's draw 2 x epoch (counting from 0)."""
+        import torch  # here, not at import: the controller starts before torch is imported
+
+        if self._generator is None or self._drawn > 2 * epoch:
+            self._generator = torch.Generator()
+            self._generator.manual_seed(self.seed)
+            self._drawn = 0
+        while True:
+            perm = torch.randperm(self.num_samples, generator=self._generator)
+            self._drawn += 1
+            if self._drawn > 2 * epoch:
+                return [int(i) for i in perm.tolist()]
 
     def next_batch(self) -> list[int]:
         """The next batch_size sample indices."""
@@ -156,7 +177,7 @@ class PromptSampler:
             self.epoch, self.position = self.epoch + 1, 0
         batch = self._permutation()[self.position : self.position + self.batch_size]
         self.position += self.batch_size
-        return [int(i) for i in batch]
+        return batch
 
     def state_dict(self) -> dict[str, int | bool]:
         return {
@@ -207,14 +228,16 @@ def encode_prompts(
     add_special_tokens: bool = True,
     log: Callable[[str], None] = logger.warning,
 ) -> list[list[int]]:
-    """Token ids of each prompt, truncated from the left to max_prompt_length.
+    """Token ids of each prompt, cut to its first max_prompt_length tokens, as RLinf does.
 
     Special tokens are added as the tokenizer does by default, as RLinf's `tokenizer.encode`
     does: for DeepSeek-R1-Distill that is the BOS token its chat template puts before
     `<｜User｜>`, which AReaL-boba prompts lack. A prompt that already starts with the BOS text
-    is encoded without them, so BOS never doubles. Truncation keeps the end of a prompt,
-    where the `<｜Assistant｜><think>` cue that starts the answer sits; one warning counts the
-    prompts cut.
+    is encoded without them, so BOS never doubles (RLinf would double it). A longer prompt
+    keeps its first max_prompt_length tokens, BOS included, as RLinf's ReasoningDataset does
+    (rlinf/data/datasets/reasoning/dataset.py:231-239: `tokenizer.encode`, then
+    `[: max_prompt_length]`), so the cut drops the end of the prompt, with the
+    `<｜Assistant｜><think>` cue; one warning counts the prompts cut.
     """
     bos = getattr(tokenizer, "bos_token", None)
     encoded: list[list[int]] = []
@@ -225,7 +248,8 @@ def encode_prompts(
     if too_long:
         log(
             f"{len(too_long)} of {len(encoded)} prompts exceed data.max_prompt_length="
-            f"{max_prompt_length} tokens (longest {max(too_long)}) and were truncated from the "
-            "left; raise data.max_prompt_length to keep them whole"
+            f"{max_prompt_length} tokens (longest {max(too_long)}) and were cut to their first "
+            f"{max_prompt_length} tokens, as RLinf cuts them (their ends, where the answer cue "
+            "sits, are lost); raise data.max_prompt_length to keep them whole"
         )
-    return [ids[-max_prompt_length:] for ids in encoded]
+    return [ids[:max_prompt_length] for ids in encoded]

@@ -67,12 +67,10 @@ def policy_loss_settings(algo: AlgorithmConfig) -> PolicyLoss:
 
 
 def total_optimizer_steps(cfg: GRPOConfig) -> int:
-    """The run's optimiser steps, for the lr schedule: actor.optim.total_training_steps, or
-    runner.max_steps x n_minibatches."""
-    optim = cfg.actor.optim
-    if optim.total_training_steps is not None:
-        return optim.total_training_steps
-    return cfg.runner.max_steps * cfg.algorithm.n_minibatches
+    """The lr schedule's length: actor.optim.total_training_steps, 0 when unset, as RLinf's
+    FSDP actor takes it (`optim_config.get("total_training_steps", 0)`), never derived from
+    the run's steps."""
+    return cfg.actor.optim.total_training_steps or 0
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: GRPOConfig) -> Any:
