@@ -276,5 +276,6 @@ def test_a_run_turns_a_shared_cache_off_with_one_warning(tmp_path, inputs):
     assert len(said) == 1 and str(shared) in said[0] and "writable by others" in said[0]
     private = demo_config(inputs, tmp_path, "r", [f"runner.compile_cache_dir={tmp_path / 'own'}"])
     typed, said = to_typed(private), []
-    keep_compile_cache_private(private, typed, said.append)
+    keep_compile_cache_private(private, typed, said.append)  # absent: nothing made yet
     assert typed.compile_cache_root == tmp_path / "own" and said == []
+    assert not (tmp_path / "own").exists()  # a run that compiles nothing leaves no cache

@@ -52,10 +52,12 @@ def private_dir_problem(path: str | Path) -> str | None:
 
 def keep_compile_cache_private(cfg: Any, typed: Any, warn: Callable[[str], None]) -> None:
     """Turn the run's compile cache off (runner.compile_cache_dir = null in both configs,
-    before any process gets them) when its directory is not private, saying so once; each
-    process checks again before it reads an entry."""
+    before any process gets them) when its directory exists and is not private, saying so
+    once; each process checks again (and makes it, 0700) before it reads or writes an entry."""
     root = typed.compile_cache_root
-    problem = None if root is None else private_dir_problem(root)
+    if root is None or not os.path.lexists(root):
+        return  # made (0700) by the first process that uses it; a run on CPUs may never
+    problem = private_dir_problem(root)
     if problem is None:
         return
     cfg.runner.compile_cache_dir = None
