@@ -125,6 +125,70 @@ def test_continuous_batching_answers_equal_one_static_batch(arch, penalty, devic
     assert torch.equal(answers, ref_hf)  # and both are generate's tokens
 
 
+def _hf_greedy(model: Any, ids: torch.Tensor, mask: torch.Tensor, eos: int, device: str):
+    return model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        do_sample=False,
+        max_new_tokens=NEW,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )[:, WIDTH:].cpu()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+def test_decode_reads_only_the_filled_columns_and_answers_stay_generates(arch, device):
+    """Decode attention reads the first W cache columns, W the longest live answer's filled
+    length rounded up to read_step (here 8 of 48): the same greedy answers as a sampler that
+    reads every column and as generate, with refills (12 rows, 4 slots), and well under the
+    whole cache read per step on average."""
+    model = _tiny_lm(arch).to(device)
+    ids, mask = _prompts()
+    greedy = SamplingSettings(do_sample=False)
+    unended = StaticSampler(model, 12, WIDTH + NEW).generate(ids, mask, NEW, [-1], 0, greedy)
+    eos = _eos_at_varied_lengths(unended)
+    whole = StaticSampler(model, 4, WIDTH + NEW, read_step=WIDTH + NEW)
+    reference = whole.generate(ids, mask, NEW, eos, 0, greedy)
+    assert whole.stats.mean_read_fraction == 1.0
+    windowed = StaticSampler(model, 4, WIDTH + NEW, read_step=8)
+    for _ in range(2):  # the second run starts from the first's stale caches and columns
+        answers = windowed.generate(ids, mask, NEW, eos, 0, greedy)
+        assert torch.equal(answers, reference)
+        assert windowed.stats.refilled_rows == 8
+        assert windowed.stats.mean_read_fraction < 0.9, windowed.stats
+    assert torch.equal(answers, _hf_greedy(model, ids, mask, eos[0], device)[:, : answers.shape[1]])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+def test_a_groups_prompt_is_prefilled_once_and_its_answers_stay_generates(arch, device):
+    """GRPO rows: 3 prompts x 4 answers each (each prompt repeated in consecutive rows). Each
+    distinct prompt is forwarded once and its keys copied into its group's slots; greedy
+    answers equal generate's for every row, with 5 slots (a group split over refills), and
+    sampled answers of one group still differ."""
+    model = _tiny_lm(arch).to(device)
+    base_ids, base_mask = _prompts(3)
+    ids, mask = base_ids.repeat_interleave(4, 0), base_mask.repeat_interleave(4, 0)
+    greedy = SamplingSettings(do_sample=False)
+    unended = StaticSampler(model, 12, WIDTH + NEW).generate(ids, mask, NEW, [-1], 0, greedy)
+    eos = _eos_at_varied_lengths(unended)
+    sampler = StaticSampler(model, 5, WIDTH + NEW, read_step=8)
+    answers = sampler.generate(ids, mask, NEW, eos, 0, greedy)
+    # The first fill holds prompt 0 (4 rows) and prompt 1 (1 row): two forwards' rows; the
+    # refills forward each distinct prompt they meet once more.
+    assert sampler.stats.prefill_rows < 12, sampler.stats
+    assert sampler.stats.prefill_rows >= 3
+    expected = _hf_greedy(model, ids, mask, eos[0], device)[:, : answers.shape[1]]
+    assert torch.equal(answers, expected)
+    one_fill = StaticSampler(model, 12, WIDTH + NEW)
+    one_fill.generate(ids, mask, NEW, eos, 0, greedy)
+    assert one_fill.stats.prefill_rows == 3 and one_fill.stats.prefills == 1
+    torch.manual_seed(0)
+    sampled = one_fill.generate(ids, mask, NEW, [-1], 0, SamplingSettings(do_sample=True))
+    assert len({tuple(row) for row in sampled[:4].tolist()}) > 1
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_more_slots_than_rows_and_answers_of_max_new_tokens(device):
     """3 rows in 8 slots (5 idle) with no EOS: every answer is max_new long, as one batch's."""

@@ -102,6 +102,10 @@ def supports(model: Any, max_len: int) -> bool:
 CHECK_EVERY = 16
 """Decode steps between looks at which answers ended (one host sync each): a finished row
 holds its slot at most this many steps before the next waiting row takes it."""
+READ_STEP = 256
+"""Decode attention reads the cache columns [0, W) only, W the filled length of the longest
+live answer so far rounded up to a multiple of this (one captured graph per W): a step early
+in the answers reads a fraction of the cache instead of all max_len columns."""
 
 
 @dataclass
@@ -110,11 +114,23 @@ class RunStats:
 
     rows: int
     slots: int
+    max_len: int = 1
+    """Cache columns a slot holds (prompt + answer)."""
     prefills: int = 0
     """Prefill forwards: the first fill and every refill, each cut into PREFILL_TOKENS chunks."""
+    prefill_rows: int = 0
+    """Prompts forwarded: each distinct prompt of a fill once (a GRPO group's answers share
+    their prompt's prefill, its keys and values copied into each answer's slot)."""
     refilled_rows: int = 0
     """Rows prefilled into a slot that another row's finished answer had left."""
     decode_steps: int = 0
+    read_columns: int = 0
+    """Cache columns decode attention read per slot, summed over the decode steps."""
+
+    @property
+    def mean_read_fraction(self) -> float:
+        """Columns read per decode step as a share of the cache's length (1.0: all of it)."""
+        return self.read_columns / max(1, self.decode_steps * self.max_len)
 
 
 @dataclass
@@ -147,15 +163,17 @@ class StaticSampler:
         max_len: int,
         compiled: bool | None = None,
         backend: str | Callable = "inductor",
+        read_step: int = READ_STEP,
     ) -> None:
         """`model`: a loaded transformers causal LM of a supported architecture. `compiled`:
         fuse the decode step's elementwise kernels with torch.compile(backend=`backend`); None:
-        on GPUs, unless RLINF_SAMPLER_COMPILE=0."""
+        on GPUs, unless RLINF_SAMPLER_COMPILE=0. `read_step`: decode attention's read width is
+        rounded up to a multiple of it (READ_STEP; max_len: always the whole cache)."""
         reason = unsupported_reason(model, max_len)
         if reason is not None:
             raise TwoWorkerError(f"static sampler: {reason}; use rollout.engine=hf")
         self.model: Any = model
-        self.batch, self.max_len = batch, max_len
+        self.batch, self.max_len, self.read_step = batch, max_len, read_step
         cfg = model.config
         self.layers = model.model.layers
         self.fused = fuse_projections(model)
@@ -168,9 +186,12 @@ class StaticSampler:
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self._make_state(p.device)
-        self.stats = RunStats(rows=0, slots=batch)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.stats = RunStats(rows=0, slots=batch, max_len=max_len)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        """One captured decode step per read width, for the sampling settings and EOS set of
+        `graph_key`; they share one memory pool (they never run at once)."""
         self.graph_key: tuple | None = None
+        self.graph_pool: Any = None
         # A decode step is hundreds of tiny kernels; on GPUs the elementwise pieces are compiled
         # into fused kernels, which the CUDA graph then replays.
         if compiled is None:
@@ -237,7 +258,8 @@ class StaticSampler:
         slots: torch.Tensor | None,
     ) -> torch.Tensor:
         """A prefill's attention (`slots`: the slots it fills, `mask`: boolean [n, 1, P, P]), or
-        a decode step's over every slot (`slots` None, `mask`: additive [B, 1, 1, S] bias)."""
+        a decode step's over every slot (`slots` None, `mask`: additive [B, 1, 1, W] bias over
+        the first W cache columns, the only ones it reads)."""
         b, t, _ = h.shape
         q, k, v = self._qkv(kern, index, h, rotary)
         keys, values = self.k[index], self.v[index]
@@ -255,8 +277,11 @@ class StaticSampler:
             at = self.col.view(b, 1, 1, 1).expand(b, self.kv_heads, 1, self.head_dim)
             keys.scatter_(2, at, k)
             values.scatter_(2, at, v)
-            # One query per row: group the query heads of each KV head, so the cache is read
-            # where it lies instead of being repeated per query head.
+            # Only the first W columns hold a live key (the caller's bound), so only they are
+            # read: a view, no copy. One query per row: group the query heads of each KV head,
+            # so the cache is read where it lies instead of being repeated per query head.
+            width = mask.shape[-1]
+            keys, values = keys[:, :, :width], values[:, :, :width]
             q = q.reshape(b, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
             probs = kern.softmax(q @ keys.transpose(-1, -2), mask, self.scale)
             out = (probs @ values).reshape(b, 1, -1)
@@ -310,7 +335,7 @@ class StaticSampler:
 
     def _go_eager(self) -> None:
         self._set_kernels(False)
-        self.graph = None  # it replays the compiled kernels
+        self.graphs = {}  # they replay the compiled kernels
 
     @torch.no_grad()
     def _generate(
@@ -330,7 +355,7 @@ class StaticSampler:
         dev = self.k.device
         ids, mask = ids.to(dev), mask.to(dev).bool()
         self._reset(max_new, eos_ids, pad_id)
-        self.stats = RunStats(rows=rows, slots=self.batch)
+        self.stats = RunStats(rows=rows, slots=self.batch, max_len=self.max_len)
         answers = torch.full((rows, max_new), pad_id, dtype=torch.long)
         slots = _Slots(torch.full((self.batch,), -1), torch.zeros(self.batch, dtype=torch.long))
         self._fill(torch.arange(self.batch), slots, ids, mask, s)
@@ -339,15 +364,24 @@ class StaticSampler:
             # Look again when the next answer may end: at CHECK_EVERY steps, or sooner when a
             # slot's answer reaches max_new tokens.
             burst = min(CHECK_EVERY, int((max_new - slots.age[busy]).min()))
+            # A live slot writes column p + age + k at its k-th step of the burst: every key
+            # any live slot reads or writes in it lies below `width`.
+            width = self.read_width(p + int(slots.age[busy].max()) + burst)
             for _ in range(burst):
-                self._step(s)
+                self._step(s, width)
             slots.age += burst
             self.stats.decode_steps += burst
+            self.stats.read_columns += burst * width
             finished = torch.nonzero(busy & self.done.cpu()).flatten()
             answers[slots.owner[finished]] = self.out[finished.to(dev), :max_new].cpu()
             slots.owner[finished] = -1
             self._fill(finished, slots, ids, mask, s)
         return answers[:, : answer_width(answers, eos_ids)]
+
+    def read_width(self, needed: int) -> int:
+        """Cache columns a decode step reads when live keys lie below `needed`: rounded up to
+        `read_step` (few distinct widths, so few graphs), at most the cache's length."""
+        return min(self.max_len, -(-needed // self.read_step) * self.read_step)
 
     def _reset(self, max_new: int, eos_ids: list[int], pad_id: int) -> None:
         """Every slot idle (done) until a prefill fills it; the run's constants in buffers."""
@@ -370,15 +404,15 @@ class StaticSampler:
         mask: torch.Tensor,
         s: SamplingSettings,
     ) -> None:
-        """The next waiting rows into the `free` slots, in prefills of at most PREFILL_TOKENS
-        tokens; slots left without a row stay idle."""
+        """The next waiting rows into the `free` slots; slots left without a row stay idle.
+        Each distinct prompt among those rows is forwarded once (in prefills of at most
+        PREFILL_TOKENS tokens) and its keys and values copied into the slots of the rows that
+        repeat it: a GRPO group's answers share one prefill."""
         first = slots.next_row
         take = free[: ids.shape[0] - first]
-        chunk = prefill_rows(ids.shape[1])
-        for begin in range(0, len(take), chunk):
-            part = take[begin : begin + chunk]
-            rows = slice(first + begin, first + begin + len(part))
-            self._prefill(part.to(self.k.device), ids[rows], mask[rows], s)
+        if len(take):
+            rows = slice(first, first + len(take))
+            self._prefill(take.to(self.k.device), ids[rows], mask[rows], s)
         slots.owner[take] = torch.arange(first, first + len(take))
         slots.age[take] = 0
         slots.next_row += len(take)
@@ -392,15 +426,37 @@ class StaticSampler:
         columns 0..P-1 and their first answer token; every per-slot buffer reset in place
         (outside any graph, into the buffers the captured step reads)."""
         p = ids.shape[1]
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
-        # Rows that are all padding in their first columns still need one visible key.
-        eye = torch.eye(p, dtype=torch.bool, device=ids.device)
-        attn_mask = ((causal & mask.unsqueeze(1)) | eye).unsqueeze(1)
+        # Rows equal in tokens and mask share one forward: `first[u]` is the first row of
+        # distinct prompt u, `inverse[i]` the distinct prompt of row i.
+        _, inverse = torch.unique(torch.cat([ids, mask.long()], 1), dim=0, return_inverse=True)
+        seen_at: dict[int, int] = {}
+        for row, u in enumerate(inverse.tolist()):
+            seen_at.setdefault(u, row)
+        first = torch.tensor(sorted(seen_at.values()), device=ids.device)
+        source = torch.tensor([seen_at[u] for u in inverse.tolist()], device=ids.device)
+        logits = torch.empty(0)
+        chunk = prefill_rows(p)
+        for begin in range(0, len(first), chunk):
+            part = first[begin : begin + chunk]
+            out = self._prompt_forward(slots[part], ids[part], mask[part])
+            logits = out if begin == 0 else torch.cat([logits, out])
+        # Row i's logits are those of its prompt's first row; its keys and values a copy.
+        row_of_first = torch.full((len(ids),), -1, dtype=torch.long, device=ids.device)
+        row_of_first[first] = torch.arange(len(first), device=ids.device)
+        logit_row = row_of_first[source]
+        copies = source != torch.arange(len(ids), device=ids.device)
+        if bool(copies.any()):
+            into, frm = slots[copies], slots[source[copies]]
+            for cache in (self.k, self.v):
+                for layer in cache:  # one layer at a time: no cache-sized temporary
+                    layer[into, :, :p] = layer[frm, :, :p]
         if s.repetition_penalty != 1.0:
             self._seed_seen(slots, ids, mask)
-        logits = self._forward(ids, pos, attn_mask, slots)
-        self.tok[slots] = self._pick(logits, s, slots).unsqueeze(1)
+        for begin in range(0, len(ids), chunk):  # the picks' working copies: a chunk's rows
+            cut = slice(begin, begin + chunk)
+            picked = self._pick(logits[logit_row[cut]], s, slots[cut])
+            self.tok[slots[cut]] = picked.unsqueeze(1)
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         self.valid[slots] = False
         self.valid[slots, :p] = mask
         self.pos[slots] = pos[:, -1:] + 1
@@ -408,7 +464,21 @@ class StaticSampler:
         self.step[slots] = 0
         self.done[slots] = False
         self.out[slots] = self.pad
+        self.stats.prefill_rows += len(first)
+
+    def _prompt_forward(
+        self, slots: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """One prefill forward of prompts [n, P] into `slots`: their keys and values written,
+        the last position's logits returned."""
+        p = ids.shape[1]
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
+        # Rows that are all padding in their first columns still need one visible key.
+        eye = torch.eye(p, dtype=torch.bool, device=ids.device)
+        attn_mask = ((causal & mask.unsqueeze(1)) | eye).unsqueeze(1)
         self.stats.prefills += 1
+        return self._forward(ids, pos, attn_mask, slots)
 
     def _seed_seen(self, slots: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> None:
         """The repetition penalty's presence rows of `slots`, from their real (unpadded)
@@ -437,52 +507,57 @@ class StaticSampler:
             self.seen[slots, tokens] = True
         return tokens
 
-    def _step_eager(self, s: SamplingSettings) -> None:
+    def _step_eager(self, s: SamplingSettings, width: int) -> None:
         tok = torch.where(self.done.unsqueeze(1), self.pad, self.tok)
         self.out.scatter_(1, self.step, tok)
         # An answer ends at EOS or with its max_new-th token. A comparison with every EOS id,
         # not torch.isin: isin sorts (a host sync) when there are many ids.
         self.done |= (tok == self.eos).any(-1) | (self.step[:, 0] + 1 >= self.limit)
         self.valid.scatter_(1, self.col, True)
-        bias = torch.zeros(self.valid.shape, device=self.valid.device).masked_fill(
-            ~self.valid, float("-inf")
-        )
+        valid = self.valid[:, :width]
+        bias = torch.zeros(valid.shape, device=valid.device).masked_fill(~valid, float("-inf"))
         logits = self._forward(tok, self.pos, bias[:, None, None, :], None)
         self.tok.copy_(self._pick(logits, s).unsqueeze(1))
-        # A finished slot steps on until it is refilled: its position and column stop at the
-        # last cache column, its answer position at the spare column max_new, all in bounds. A
-        # live row never reaches those limits, so they change nothing for it.
+        # A finished slot steps on until it is refilled, rewriting its last column (so it
+        # never passes the read width the host bounds by the live slots), its position at most
+        # the last cache column, its answer position at the spare column max_new: all in
+        # bounds, and nothing a live row reads.
         self.pos.add_(1).clamp_(max=self.max_len - 1)
-        self.col.add_(1).clamp_(max=self.max_len - 1)
+        self.col.add_((~self.done).long().unsqueeze(1)).clamp_(max=self.max_len - 1)
         torch.minimum(self.step + 1, self.limit, out=self.step)
 
-    def _step(self, s: SamplingSettings) -> None:
+    def _step(self, s: SamplingSettings, width: int) -> None:
         if self.k.device.type != "cuda":
-            self._step_eager(s)
+            self._step_eager(s, width)
             return
         key = (s, self.eos_ids)
-        if self.graph is None or self.graph_key != key:
-            self._capture(s, key)
+        if self.graph_key != key:  # new settings or EOS set: every graph captured again
+            self.graphs, self.graph_key = {}, key
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        graph = self.graphs.get(width)
+        if graph is None:
+            self._capture(s, width)
             return  # the capture ran this step
-        self.graph.replay()
+        graph.replay()
 
-    def _capture(self, s: SamplingSettings, key: tuple) -> None:
+    def _capture(self, s: SamplingSettings, width: int) -> None:
         # Warm up on a side stream (allocator and kernels), then capture one step. The step
-        # reads and writes only persistent buffers, so replays advance the state.
+        # reads and writes only persistent buffers, so replays advance the state, and every
+        # tensor it makes inside the graph is dead at its end: the graphs can share one pool.
         snapshot = [buf.clone() for buf in self._state()]
         stream = _side_stream(self.k.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._step_eager(s)
+            self._step_eager(s, width)
         torch.cuda.current_stream().wait_stream(stream)
         for buf, saved in zip(self._state(), snapshot):
             buf.copy_(saved)
-        self.graph, self.graph_key = torch.cuda.CUDAGraph(), key
-        with torch.cuda.graph(self.graph):
-            self._step_eager(s)
+        graph = self.graphs[width] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            self._step_eager(s, width)
         for buf, saved in zip(self._state(), snapshot):
             buf.copy_(saved)
-        self.graph.replay()
+        graph.replay()
 
 
 @functools.cache

@@ -168,5 +168,6 @@ EAGER = Kernels(rms_norm, add_rms_norm, split_rope, split_norm_rope, masked_soft
 
 
 def compiled_kernels(backend: str | Callable) -> Kernels:
-    """EAGER's functions through torch.compile with fixed shapes (a decode step's never change)."""
-    return Kernels(*(torch.compile(k, dynamic=False, backend=backend) for k in EAGER))
+    """EAGER's functions through torch.compile with fixed shapes (a decode step's never change),
+    but the softmax, whose width is the read width of the step (one kernel for all widths)."""
+    return Kernels(*(torch.compile(k, dynamic=k is masked_softmax, backend=backend) for k in EAGER))
