@@ -207,7 +207,8 @@ def test_the_plan_turns_recompute_on_only_when_it_is_left_to_it_and_needed(tiny)
     plan, notes = mp.settle_plan(cfg, cfg.placement, shapes, between)
     assert cfg.actor.activation_checkpointing is True and cfg.actor.recompute
     assert plan.too_big() == [] and plan.settings["actor_recompute"] is True
-    assert "actor activation recompute turned on" in notes[0] and "node 1 GPU 0" in notes[0]
+    note = next(n for n in notes if "actor activation recompute turned on" in n)
+    assert "node 1 GPU 0" in note and "fits only with it" in note
     chosen = gpu_config(
         tiny,
         "runner.micro_batch_tokens=16384",
@@ -326,7 +327,7 @@ def test_the_plan_turns_offload_on_only_when_it_is_left_to_it_and_needed(shape_1
     plan, notes = mp.settle_plan(cfg, cfg.placement, shapes, budget)
     assert plan.too_big() == [] and cfg.actor.offload and cfg.actor.recompute
     assert plan.settings["actor_offload"] is True and cfg.offloads
-    assert [n.split(" turned on")[0] for n in notes] == [
+    assert [n.split(" turned on")[0] for n in notes if "turned on" in n] == [
         "MEMORY_PLAN actor activation recompute",
         "MEMORY_PLAN actor offload",
     ]
@@ -342,7 +343,7 @@ def test_the_tutorials_placement_fits_a_40_gib_card_per_gpu_with_its_defaults(sh
     cfg = gpu_config(shape_1_5b, "cluster.max_gpu_memory_gb=40")
     shapes = mparts.model_shapes(cfg)
     plan, notes = mp.settle_plan(cfg, cfg.placement, shapes, None)
-    assert notes == [] and plan.too_big() == []
+    assert [n for n in notes if "turned on" in n] == [] and plan.too_big() == []
     assert plan.settings == {"actor_recompute": False, "actor_offload": False, "actor_ranks": 2}
     by_gpu = {g.resource_rank: [p.component for p in g.processes] for g in plan.gpus}
     assert by_gpu == {0: ["rollout"], 1: ["inference"], 2: ["actor"], 3: ["actor"]}
@@ -374,3 +375,69 @@ def test_free_memory_is_read_for_the_gpu_each_component_holds():
     # A GPU no probe reported (another node's id "2", an id not listed): no budget is made up.
     unseen = {**gpu_of, 3: (1, "2"), 4: (0, "7")}
     assert mp.free_by_resource_rank(nodes, unseen) == {0: 20 * GIB, 1: 70 * GIB, 2: 50 * GIB}
+
+
+SCALE_32X8 = (
+    *COLOCATED,
+    "data.rollout_batch_size=32",
+    "algorithm.group_size=8",
+    "runner.seq_length=2048",
+    "data.max_prompt_length=256",
+)
+
+
+def test_micro_batches_are_the_fastest_cut_that_fits_the_budget(shape_1_5b):
+    """runner.micro_batch_tokens and logprob_micro_batch_tokens null (the default): on a GPU
+    with a budget the plan picks them, with recompute, as the cheapest combination (by the
+    plan's cost model) that fits; no combination that fits costs less; a tighter budget gives
+    a smaller cut or recompute, never a plan that does not fit; a value the user set is kept."""
+    shapes = mparts.model_shapes(gpu_config(shape_1_5b, *SCALE_32X8))
+
+    def settle(budget_gib: float, *extra: str):
+        cfg = gpu_config(shape_1_5b, *SCALE_32X8, *extra)
+        plan, notes = mp.settle_plan(cfg, cfg.placement, shapes, {0: int(budget_gib * GIB)})
+        return cfg, plan, notes
+
+    roomy, plan, notes = settle(130)
+    assert plan.too_big() == [] and roomy.actor.recompute is False
+    assert roomy.runner.micro_batch_tokens > mp.MICRO_BATCH_TOKENS_FLOOR
+    assert any(n.startswith("MEMORY_PLAN micro-batches: actor ") for n in notes)
+    chosen = mp.Cuts(
+        roomy.runner.micro_batch_tokens, roomy.runner.logprob_micro_batch_tokens, False
+    )
+    # Brute force: nothing cheaper fits.
+    ranks = 1
+    for recompute in (False, True):
+        for a in mp.ACTOR_CUTS:
+            for lp in mp.LOGPROB_CUTS:
+                other = mp.Cuts(a, lp, recompute)
+                if other.cost(roomy, ranks) >= chosen.cost(roomy, ranks):
+                    continue
+                trial = gpu_config(shape_1_5b, *SCALE_32X8)
+                trial.runner.micro_batch_tokens, trial.runner.logprob_micro_batch_tokens = a, lp
+                fit = mp.plan_memory(trial, trial.placement, shapes, {0: 130 * GIB}, recompute)
+                # A cut grown past the floors must leave mp.AUTO_SHARE's margin.
+                assert fit.gpus[0].total > mp.AUTO_SHARE * 130 * GIB, (other, chosen)
+    assert plan.gpus[0].total <= mp.AUTO_SHARE * 130 * GIB
+    tight, plan, _ = settle(45)
+    assert plan.too_big() == []
+    assert (
+        tight.runner.micro_batch_tokens < roomy.runner.micro_batch_tokens
+    ) or tight.actor.recompute
+    kept, plan, notes = settle(
+        130, "runner.micro_batch_tokens=4096", "runner.logprob_micro_batch_tokens=8192"
+    )
+    assert (kept.runner.micro_batch_tokens, kept.runner.logprob_micro_batch_tokens) == (4096, 8192)
+    assert not any("micro-batches" in n for n in notes)
+
+
+def test_without_a_budget_the_cuts_are_their_floors(shape_1_5b):
+    """No GPU budget known (a CPU run, or no free memory reported and no max_gpu_memory_gb):
+    the floors, as the library's fixed defaults were, and nothing turned on."""
+    cfg = gpu_config(shape_1_5b, *SCALE_32X8)
+    shapes = mparts.model_shapes(cfg)
+    plan, notes = mp.settle_plan(cfg, cfg.placement, shapes, None)
+    assert notes == []
+    assert cfg.runner.micro_batch_tokens == mp.MICRO_BATCH_TOKENS_FLOOR == 4096
+    assert cfg.runner.logprob_micro_batch_tokens == mp.LOGPROB_MICRO_BATCH_TOKENS_FLOOR == 16384
+    assert cfg.actor.activation_checkpointing is None

@@ -179,8 +179,8 @@ def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool)
     rows = cfg.data.rollout_batch_size * algo.group_size // algo.n_minibatches // ranks
     if runner.enable_dynamic_batch_size:
         tokens = _cap(runner.max_tokens_per_mbs, 1, rows, seq)
-    elif runner.micro_batch_tokens:
-        tokens = _cap(runner.micro_batch_tokens, algo.training_batch_size_per_gpu, rows, seq)
+    elif runner.actor_cut_tokens:
+        tokens = _cap(runner.actor_cut_tokens, algo.training_batch_size_per_gpu, rows, seq)
     else:
         tokens = min(rows, algo.training_batch_size_per_gpu) * seq
     a, b = ACTIVATIONS_COMPILED if gpu and cfg.actor.compile else ACTIVATIONS_EAGER
@@ -207,12 +207,12 @@ def logprob_parts(cfg: GRPOConfig, shape: ModelShape, precision: str) -> dict[st
     runner, algo = cfg.runner, cfg.algorithm
     rows = cfg.data.rollout_batch_size * algo.group_size
     tokens = _cap(
-        runner.logprob_micro_batch_tokens,
+        runner.logprob_cut_tokens,
         algo.logprob_forward_micro_batch_size,
         rows,
         runner.seq_length,
     )
-    if not runner.logprob_micro_batch_tokens:
+    if not runner.logprob_cut_tokens:
         tokens = min(rows, algo.logprob_forward_micro_batch_size) * runner.seq_length
     return {
         "weights": shape.params * size,

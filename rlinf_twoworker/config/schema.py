@@ -156,6 +156,14 @@ class ClusterConfig:
         )
 
 
+MICRO_BATCH_TOKENS_FLOOR = 4096
+"""The actor's micro-batch tokens where runner.micro_batch_tokens is null and no GPU budget is
+known, and the smallest the memory plan picks (below it, activation recompute or the offload
+is the cheaper way to fit)."""
+LOGPROB_MICRO_BATCH_TOKENS_FLOOR = 16384
+"""The same for runner.logprob_micro_batch_tokens."""
+
+
 @dataclass(kw_only=True)
 class RunnerConfig:
     experiment_name: str = "grpo-1.5b"
@@ -214,16 +222,22 @@ class RunnerConfig:
     the same (see config_notes for how this differs from RLinf)."""
     max_tokens_per_mbs: int = 1024
     """Token budget of one actor micro-batch (rows x padded length) with dynamic batch size."""
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int | None = None
     """The library's own cut of the actor's forward/backward, for speed: as many rows as fit in
     this many tokens (rows x padded length), never fewer than training_batch_size_per_gpu. The
     loss weights stay those of RLinf's training_batch_size_per_gpu-row micro-batches, so the
     gradient is the same as RLinf's cut (up to the order of float sums); 0 cuts exactly as
-    RLinf's keys say. enable_dynamic_batch_size=true uses max_tokens_per_mbs instead."""
-    logprob_micro_batch_tokens: int = 16384
+    RLinf's keys say. enable_dynamic_batch_size=true uses max_tokens_per_mbs instead. None: on
+    GPUs the memory plan picks it, with the log-prob cut and actor.activation_checkpointing
+    when that is null too: the fastest combination that fits each GPU's budget, never below
+    MICRO_BATCH_TOKENS_FLOOR (cluster/memory_plan.py, choose_cuts); where no GPU budget is
+    known (CPUs), MICRO_BATCH_TOKENS_FLOOR."""
+    logprob_micro_batch_tokens: int | None = None
     """The same for the log-prob recompute (inference, reference): as many rows as fit in this
     many tokens, never fewer than algorithm.logprob_forward_micro_batch_size; 0 takes that
-    key's rows. A forward without gradients: the result does not depend on the cut."""
+    key's rows. A forward without gradients: the result does not depend on the cut. None: the
+    memory plan picks it (as micro_batch_tokens), never below LOGPROB_MICRO_BATCH_TOKENS_FLOOR,
+    which is also the value where no GPU budget is known."""
     trim_padding_multiple: int = 0
     """0 keeps every micro-batch at full width. N >= 1: the inference and actor forwards drop
     the columns that are padding in every row of a micro-batch (prompt padding on the left,
@@ -313,7 +327,13 @@ class RunnerConfig:
             "must be >= 0 (0 turns trimming off)",
         )
         for key in ("micro_batch_tokens", "logprob_micro_batch_tokens"):
-            _require(getattr(self, key) >= 0, f"runner.{key}", getattr(self, key), "must be >= 0")
+            value = getattr(self, key)
+            _require(
+                value is None or value >= 0,
+                f"runner.{key}",
+                value,
+                "must be >= 0, or null (the memory plan picks it)",
+            )
         _require(
             self.max_tokens_per_mbs >= 1,
             "runner.max_tokens_per_mbs",
@@ -321,6 +341,18 @@ class RunnerConfig:
             "must be >= 1",
         )
         _require(bool(self.output_dir), "runner.output_dir", self.output_dir, "must be set")
+
+    @property
+    def actor_cut_tokens(self) -> int:
+        """micro_batch_tokens as the actor cuts by it: MICRO_BATCH_TOKENS_FLOOR while null."""
+        value = self.micro_batch_tokens
+        return MICRO_BATCH_TOKENS_FLOOR if value is None else value
+
+    @property
+    def logprob_cut_tokens(self) -> int:
+        """logprob_micro_batch_tokens as the log-prob recompute cuts by it."""
+        value = self.logprob_micro_batch_tokens
+        return LOGPROB_MICRO_BATCH_TOKENS_FLOOR if value is None else value
 
 
 @dataclass(kw_only=True)

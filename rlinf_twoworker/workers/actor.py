@@ -48,8 +48,8 @@ def micro_batches(cfg: GRPOConfig, rows: int, width: int) -> list[slice]:
     size = cfg.algorithm.training_batch_size_per_gpu
     if runner.enable_dynamic_batch_size:
         size = max(1, runner.max_tokens_per_mbs // max(width, 1))
-    elif runner.micro_batch_tokens:
-        size = max(size, runner.micro_batch_tokens // max(width, 1))
+    elif runner.actor_cut_tokens:
+        size = max(size, runner.actor_cut_tokens // max(width, 1))
     return [slice(begin, begin + size) for begin in range(0, rows, size)]
 
 

@@ -81,9 +81,9 @@ class InferenceWorker(PolicyCopy):
 
     def _logprobs(self, batch: SequenceBatch) -> torch.Tensor:
         micro = self.cfg.algorithm.logprob_forward_micro_batch_size
-        if self.cfg.runner.logprob_micro_batch_tokens:
+        if self.cfg.runner.logprob_cut_tokens:
             width = batch.input_ids.shape[1]
-            micro = max(micro, self.cfg.runner.logprob_micro_batch_tokens // max(width, 1))
+            micro = max(micro, self.cfg.runner.logprob_cut_tokens // max(width, 1))
         trim = self.cfg.runner.trim_padding_multiple
         parts = []
         for begin in range(0, len(batch), micro):
