@@ -77,7 +77,13 @@ async def _sync_through_ipc(
     actors, consumers = group.actors(), group.policy_copies()
     mark = time.perf_counter()
     exported = await group.call_each(
-        actors, "export_weights", dtype, len(consumers), timeout=timeout, stage="weight export"
+        actors,
+        "export_weights",
+        dtype,
+        len(consumers),
+        wait,  # offloading: the actor's state leaves before the copies take their memory
+        timeout=timeout,
+        stage="weight export",
     )
     parts["export_s"], mark = time.perf_counter() - mark, time.perf_counter()
     handles = exported[0]["handles"]

@@ -359,6 +359,12 @@ class ActorWorker(Worker):
             lr=results[-1]["lr"],
             offload_seconds=self.offloader.take_seconds(),
         )
+        if self.device.type == "cuda":  # what the weight sync and the other stages find held
+            gib = 1024**3
+            metrics["gpu_reserved_after_update_gib"] = torch.cuda.memory_reserved(self.device) / gib
+            metrics["gpu_allocated_after_update_gib"] = (
+                torch.cuda.memory_allocated(self.device) / gib
+            )
         return TrainStats(
             metrics=metrics,
             trained_tokens=sum(r["tokens"] for r in results),
@@ -370,15 +376,23 @@ class ActorWorker(Worker):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def export_weights(self, sync_dtype: str, consumers: int = 1) -> dict[str, Any]:
+    def export_weights(
+        self, sync_dtype: str, consumers: int = 1, offload_after: bool = False
+    ) -> dict[str, Any]:
         """Colocated sync: keep the weight buckets on the GPU and hand out CUDA IPC handles
-        (rank 0; other ranks only join the gathers). `release_weights` frees the buckets."""
+        (rank 0; other ranks only join the gathers). `release_weights` frees the buckets.
+        `offload_after` (actor.enable_offload): the parameters leave the GPU as soon as the
+        buckets hold their copy, before the copies reallocate their weights, so the sync
+        never holds the actor's parameters, the buckets and both copies at once."""
         start = time.perf_counter()
         self.offloader.load_params()
         is_source = dist.get_rank() == self.sync.source
         self._exported, handles = export_weights(
             self.model, getattr(torch, sync_dtype), is_source, consumers
         )
+        if offload_after:
+            self._sync_device()
+            self.offloader.offload()
         nbytes = sum(b.numel() * b.element_size() for b in self._exported)
         return {"handles": handles, "bytes": nbytes, "seconds": time.perf_counter() - start}
 
