@@ -4,7 +4,7 @@ must agree on."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: the reward's process never imports torch
     import torch
@@ -54,6 +54,15 @@ class LogProbs:
 
     logprobs: torch.Tensor
     seconds: float
+
+
+@dataclass
+class PromptRow:
+    """One prompt as the data gave it, for reward.reward_fn (sent to the reward only then): its
+    text, before tokenisation and data.max_prompt_length's cut, and its JSONL record."""
+
+    prompt: str
+    row: dict[str, Any]
 
 
 @dataclass

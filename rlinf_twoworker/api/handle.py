@@ -288,6 +288,11 @@ def run_grpo_two_worker(
     run_dir = run_dir_of(output_root, typed.runner.experiment_name)
     for error in escaping_paths(typed):  # hydra.run.dir=../x: refused before anything is made
         raise error
+    from rlinf_twoworker.api.request import reward_fn_error  # imports the user's module
+
+    unimportable = reward_fn_error(typed)
+    if unimportable is not None:
+        raise unimportable
     refuse_existing(run_dir)
     connect(ray_address, typed)
     callers_group = _callers_group(placement_group, typed)  # before anything is written

@@ -17,7 +17,7 @@ from typing import Any
 
 from rlinf_twoworker import components
 from rlinf_twoworker.config import run_id_problem, to_typed
-from rlinf_twoworker.errors import RunDirExistsError, TwoWorkerError
+from rlinf_twoworker.errors import ConfigError, RunDirExistsError, TwoWorkerError
 
 TUTORIAL_SUBDIR = Path("runs") / "two-worker-grpo-pipeline"
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
@@ -122,6 +122,8 @@ def resolve_request(
     applied = [*request.overrides, *overrides]
     cfg = load_config(config, applied)
     typed = to_typed(cfg)
+    if (error := reward_fn_error(typed)) is not None:
+        raise error  # a config error: raised as it is, naming the key
     problems = list(request.problems)
     if for_run and request.run_dir_known:
         problems += run_dir_problems(typed)
@@ -166,6 +168,23 @@ def resume_problems(typed: Any) -> list[str]:
     return [problem] if problem else []
 
 
+def reward_fn_error(typed: Any) -> ConfigError | None:
+    """reward.reward_fn's function cannot be imported here (ConfigError naming the key, the
+    value and what to do), or None. Imports the user's module on this node: the load itself
+    checks only the name's form, since a config is also loaded where the user's code is not
+    (readback, report); the reward's grading processes import it again on theirs."""
+    spec = getattr(typed.reward, "reward_fn", None)
+    if spec is None:
+        return None
+    from rlinf_twoworker.rewards.graders import resolve_reward_fn
+
+    try:
+        resolve_reward_fn(spec)
+    except ConfigError as exc:
+        return exc
+    return None
+
+
 def check_inputs(typed: Any) -> None:
     """Raise one RequestError listing every problem of `input_problems`."""
     problems = input_problems(typed)
@@ -175,8 +194,11 @@ def check_inputs(typed: Any) -> None:
 
 def input_problems(typed: Any) -> list[str]:
     """Cheap checks of the inputs on this node (the preflight checks digests on every node):
-    model directories, tokenizer directories, data files; one problem per path."""
+    reward.reward_fn's function, model directories, tokenizer directories, data files; one
+    problem per path."""
     problems: list[str | None] = []
+    if (error := reward_fn_error(typed)) is not None:  # resolve_request raised it already
+        problems.append(str(error))
     unusable: set[Path] = set()
     for path, keys in _paths_by_key(_model_keys(typed)).items():
         problem = _directory_problem(path, keys, "model")

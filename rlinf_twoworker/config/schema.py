@@ -835,17 +835,29 @@ class DataConfig:
 class RewardConfig:
     reward_type: str = "math"
     reward_scale: float = 5.0
-    """A correct answer scores +reward_scale, a wrong one -reward_scale."""
+    """A correct answer scores +reward_scale, a wrong one -reward_scale (the math grader only:
+    a reward.reward_fn's values are taken as they are)."""
     timeout_s: float = 10.0
-    """Per-answer grading timeout; an answer that times out scores as wrong (RLinf: 10 s)."""
+    """Per-answer grading timeout; an answer that times out scores as wrong (RLinf: 10 s), or
+    0.0 under reward.reward_fn."""
     grader: str = "rlinf"
     """How an answer is judged: 'rlinf' (RLinf's math verifier: the last \\boxed{}, sympy
     equivalence within a relative 1e-4, no box is wrong) or 'math_verify' (HF math_verify)."""
+    reward_fn: str | None = None
+    """'package.module:function': a Python function that gives each answer its reward instead
+    of reward.grader, called as fn(prompt, answer, row) -> float in the reward's grading
+    processes (prompt: the data's prompt text; row: its JSONL record, every key). Its float is
+    the reward as it is: reward.reward_scale does not apply. reward.timeout_s bounds each call
+    (an answer past it scores 0.0); a function that raises, or returns no finite float, fails
+    the step with its traceback. Not an RLinf key (reward.reward_type stays 'math'). The name is
+    checked here; the import, by the request check and in every grading process."""
     group_name: str = "RewardGroup"
     use_reward_model: bool = False
     tokenizer: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from rlinf_twoworker.rewards.graders import reward_fn_syntax_problem
+
         _require(
             self.reward_type == "math", "reward.reward_type", self.reward_type, "must be 'math'"
         )
@@ -856,6 +868,9 @@ class RewardConfig:
             self.grader,
             f"must be one of {', '.join(GRADERS)}",
         )
+        if self.reward_fn is not None:
+            problem = reward_fn_syntax_problem(self.reward_fn)
+            _require(problem is None, "reward.reward_fn", self.reward_fn, str(problem))
 
 
 @dataclass(kw_only=True)

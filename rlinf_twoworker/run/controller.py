@@ -427,6 +427,7 @@ class RunController:
                 data.answer_key,
                 data.skip_malformed_lines,
                 lambda note: self.log.info(f"DATA_WARNING {note}"),
+                keep_rows=self.cfg.reward.reward_fn is not None,  # what the function gets
             )
 
         self.samples = await asyncio.to_thread(read, data.train_data_paths)
@@ -471,7 +472,7 @@ class RunController:
 
     async def _train(self) -> None:
         from rlinf_twoworker.run import checkpointing  # imported already (_prepare_training)
-        from rlinf_twoworker.run.step import run_step, validate
+        from rlinf_twoworker.run.step import prompt_rows, run_step, validate
 
         cfg, group, source = self.cfg, self.group, self.resume_from
         if group is None:
@@ -510,7 +511,12 @@ class RunController:
                 if first:
                     self.clock.since_call("ready")
                 result = await run_step(
-                    group, cfg, step, prompts, [samples[i].solutions for i in indices]
+                    group,
+                    cfg,
+                    step,
+                    prompts,
+                    [samples[i].solutions for i in indices],
+                    prompt_rows(cfg, [samples[i] for i in indices]),
                 )
                 if first:  # done before the step's compiled calls; recorded now
                     await lifecycle.prepared(group, self.clock, self.log)
@@ -524,7 +530,12 @@ class RunController:
                 if self._validates_at(step):
                     self.phase = f"validation after step {step}"
                     val = await validate(
-                        group, cfg, step, val_prompts, [s.solutions for s in self.val_samples]
+                        group,
+                        cfg,
+                        step,
+                        val_prompts,
+                        [s.solutions for s in self.val_samples],
+                        prompt_rows(cfg, self.val_samples),
                     )
                     result.timings["time/validation"] = val.pop("time/validation")
                     result.metrics.update(val)

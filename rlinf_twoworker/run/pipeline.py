@@ -25,7 +25,7 @@ import torch
 
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.engines.models import SequenceBatch
-from rlinf_twoworker.messages import ActorShard, Graded, LogProbs, Rollout, TrainStats
+from rlinf_twoworker.messages import ActorShard, Graded, LogProbs, PromptRow, Rollout, TrainStats
 from rlinf_twoworker.run.chunks import (
     Chunk,
     chunk_advantages,
@@ -97,15 +97,21 @@ async def grade(
     rollout: Rollout,
     solutions: list[list[str]],
     stage: str,
+    rows: list[PromptRow] | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """The reward of every answer (`solutions` per prompt) and the grading's seconds."""
+    """The reward of every answer (`solutions` per prompt) and the grading's seconds. `rows`
+    (per prompt; only with reward.reward_fn) go along, one per answer (pickled once each)."""
     per_answer = [s for s in solutions for _ in range(cfg.algorithm.group_size)]
+    with_rows = (
+        () if rows is None else ([r for r in rows for _ in range(cfg.algorithm.group_size)],)
+    )
     start = time.perf_counter()
     graded: Graded = await group.call(
         group.one("reward"),
         "score",
         rollout.texts,
         per_answer,
+        *with_rows,
         timeout=cfg.runner.timeouts.step_s,
         stage=stage,
     )
@@ -148,6 +154,7 @@ async def run_sequential(
     prompts: list[list[int]],
     solutions: list[list[str]],
     marks: Marks,
+    rows: list[PromptRow] | None = None,
 ) -> Ran:
     """Each stage over every chunk, then the next stage; one actor call for the step."""
     named = _namer(step, len(chunks))
@@ -156,7 +163,9 @@ async def run_sequential(
         rollouts.append(await generate(group, cfg, prompts[c.prompts], c.seed, named("rollout", c)))
     marks.last("rollout_done")
     graded = [
-        await grade(group, cfg, rollout, solutions[c.prompts], named("rollout reward", c))
+        await grade(
+            group, cfg, rollout, solutions[c.prompts], named("rollout reward", c), _of(rows, c)
+        )
         for c, rollout in zip(chunks, rollouts)
     ]
     done = []
@@ -201,6 +210,7 @@ async def run_pipelined(
     prompts: list[list[int]],
     solutions: list[list[str]],
     marks: Marks,
+    rows: list[PromptRow] | None = None,
 ) -> Ran:
     """Every chunk flows on as soon as it is generated; the actor trains on each minibatch as
     soon as its chunk is graded and recomputed, in the plan's order."""
@@ -212,7 +222,14 @@ async def run_pipelined(
         marks.last("rollout_done")
         (rewards, seconds), (old, ref) = await gather_fail_fast(
             [
-                grade(group, cfg, rollout, solutions[c.prompts], named("rollout reward", c)),
+                grade(
+                    group,
+                    cfg,
+                    rollout,
+                    solutions[c.prompts],
+                    named("rollout reward", c),
+                    _of(rows, c),
+                ),
                 logprobs(group, cfg, rollout.batch, named("log-probs", c)),
             ]
         )
@@ -248,6 +265,11 @@ async def run_pipelined(
 
     *done, (advs, trained) = await gather_fail_fast([*flowing, train()])
     return Ran(done, advs, trained)
+
+
+def _of(rows: list[PromptRow] | None, chunk: Chunk) -> list[PromptRow] | None:
+    """The chunk's prompts' rows (reward.reward_fn), or None."""
+    return None if rows is None else rows[chunk.prompts]
 
 
 def _namer(step: int, chunks: int) -> Callable[[str, Chunk], str]:

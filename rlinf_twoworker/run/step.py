@@ -16,12 +16,30 @@ import torch
 
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.engines.models import dtype_for
+from rlinf_twoworker.messages import PromptRow
 from rlinf_twoworker.results import StepResult
 from rlinf_twoworker.run.chunks import plan_chunks, split_for_actors
 from rlinf_twoworker.run.group import ComponentGroup, gather_fail_fast
 from rlinf_twoworker.run.pipeline import Marks, Ran, generate, grade, run_pipelined, run_sequential
 
-__all__ = ["run_step", "split_for_actors", "sync_dtype", "sync_weights", "validate"]
+__all__ = [
+    "prompt_rows",
+    "run_step",
+    "split_for_actors",
+    "sync_dtype",
+    "sync_weights",
+    "validate",
+]
+
+
+def prompt_rows(cfg: GRPOConfig, samples: list[Any]) -> list[PromptRow] | None:
+    """What reward.reward_fn sees of each prompt (its text and data row), or None without
+    one: the math grader needs only the solutions, and nothing more travels to the reward."""
+    if cfg.reward.reward_fn is None:
+        return None
+    if any(s.row is None for s in samples):
+        raise RuntimeError("reward.reward_fn's data rows were not kept at load (a library bug)")
+    return [PromptRow(s.prompt, s.row) for s in samples]
 
 
 def sync_dtype(cfg: GRPOConfig) -> str:
@@ -149,12 +167,15 @@ async def run_step(
     step: int,
     prompts: list[list[int]],
     solutions: list[list[str]],
+    rows: list[PromptRow] | None = None,
 ) -> StepResult:
     """Generate, grade, recompute, update (on the configured schedule), sync; returns the
-    step's metrics and timings."""
+    step's metrics and timings. `rows`: each prompt's text and data row, for reward.reward_fn
+    (prompt_rows)."""
     marks = Marks()
     schedule = run_pipelined if cfg.pipelined else run_sequential
-    ran = await schedule(group, cfg, step, plan_chunks(cfg, step), prompts, solutions, marks)
+    plan = plan_chunks(cfg, step)
+    ran = await schedule(group, cfg, step, plan, prompts, solutions, marks, rows)
     synced = await sync_weights(group, cfg)
     step_s = time.perf_counter() - marks.start
     return StepResult(
@@ -235,6 +256,7 @@ async def validate(
     step: int,
     prompts: list[list[int]],
     solutions: list[list[str]],
+    rows: list[PromptRow] | None = None,
 ) -> dict[str, float]:
     """Answer the validation prompts with the current policy (group_size answers each, the
     training sampling settings, as RLinf's evaluation does) and grade them, in one rollout
@@ -242,7 +264,8 @@ async def validate(
     start = time.perf_counter()
     seed = cfg.actor.seed + step + VALIDATION_SEED_OFFSET
     rollout = await generate(group, cfg, prompts, seed, f"step {step} validation")
-    rewards, _ = await grade(group, cfg, rollout, solutions, f"step {step} validation reward")
+    stage = f"step {step} validation reward"
+    rewards, _ = await grade(group, cfg, rollout, solutions, stage, rows)
     return {
         "val/reward_scores": float(rewards.mean()),
         "val/correct_fraction": float((rewards > 0).float().mean()),

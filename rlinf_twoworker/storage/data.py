@@ -34,9 +34,12 @@ class Sample:
     solutions: list[str]
     """Gold answers; an answer matching any of them is correct."""
     query_id: str | None = None
+    row: dict[str, Any] | None = None
+    """The line's whole JSON object, kept only when asked (load_jsonl keep_rows: a
+    reward.reward_fn gets it); None otherwise, so a large data set is not held twice."""
 
 
-def _parse_line(line: str, prompt_key: str, answer_key: str) -> Sample:
+def _parse_line(line: str, prompt_key: str, answer_key: str, keep_row: bool = False) -> Sample:
     """One JSONL line as a Sample; raises ValueError with the problem in words."""
     try:
         obj: Any = json.loads(line)
@@ -59,11 +62,12 @@ def _parse_line(line: str, prompt_key: str, answer_key: str) -> Sample:
             f"key '{answer_key}' (data.answer_key) must be a string or a non-empty list of strings"
         )
     query_id = obj.get("query_id")
-    return Sample(prompt, solutions, None if query_id is None else str(query_id))
+    row = obj if keep_row else None
+    return Sample(prompt, solutions, None if query_id is None else str(query_id), row)
 
 
 def _read_file(
-    path: Path, prompt_key: str, answer_key: str, skip_malformed: bool
+    path: Path, prompt_key: str, answer_key: str, skip_malformed: bool, keep_rows: bool = False
 ) -> tuple[list[Sample], list[str]]:
     """Samples of one file and descriptions of the lines skipped."""
     samples, skipped = [], []
@@ -73,7 +77,7 @@ def _read_file(
                 if not line.strip():
                     continue
                 try:
-                    samples.append(_parse_line(line, prompt_key, answer_key))
+                    samples.append(_parse_line(line, prompt_key, answer_key, keep_rows))
                 except ValueError as exc:
                     where = f"{path}:{lineno}: {exc}"
                     if not skip_malformed:
@@ -92,17 +96,19 @@ def load_jsonl(
     answer_key: str = "solutions",
     skip_malformed: bool = False,
     log: Callable[[str], None] | None = None,
+    keep_rows: bool = False,
 ) -> list[Sample]:
     """All samples of the given AReaL-boba JSONL files, in file then line order.
 
     Blank lines are ignored. A malformed line fails the load naming file and line, unless
     `skip_malformed`, in which case it is skipped and the count logged (a silently shrunken data
-    set would be a surprise). No sample at all is an error either way.
+    set would be a surprise). No sample at all is an error either way. `keep_rows`: each
+    Sample keeps its line's JSON object (Sample.row), for a reward.reward_fn.
     """
     samples: list[Sample] = []
     skipped: list[str] = []
     for path in paths:
-        got, bad = _read_file(Path(path), prompt_key, answer_key, skip_malformed)
+        got, bad = _read_file(Path(path), prompt_key, answer_key, skip_malformed, keep_rows)
         samples.extend(got)
         skipped.extend(bad)
     if skipped:

@@ -3,7 +3,8 @@
 `lineage.json`, written when the run directory is made, holds the SHA256 of the model's and the
 training data's manifests (the digests the preflight compares across nodes) and the settings
 that decide what is trained: GRPO's (`algorithm.*`), the optimiser's and its schedule's, the
-seeds, the precisions, the reward's kind and scale, the data's order and shape (`data.*`) and
+seeds, the precisions, the reward (its kind, scale, grader and any reward.reward_fn, by name:
+the function's code is the user's to keep the same), the data's order and shape (`data.*`) and
 `runner.seq_length`. Input paths are left out (the digests stand for the inputs, so a copy of
 the same model elsewhere is the same lineage), and so is what only changes how fast or where
 it runs (engines, offload, activation recompute, compile, micro-batch sizes, workers), the step
@@ -33,8 +34,13 @@ _KEPT = (
     "inference.model.precision",
     "reward.reward_type",
     "reward.reward_scale",
+    "reward.grader",
+    "reward.reward_fn",
     "data.",
 )
+ABSENT_MEANS: dict[str, Any] = {"reward.reward_fn": None}
+"""Kept keys added after lineage.json was first written, and what a lineage without one was
+trained with (reward.grader is not here: its default changed, so an older run's is unknown)."""
 _LEFT_OUT = (
     "algorithm.logprob_forward_micro_batch_size",
     "data.train_data_paths",
@@ -100,6 +106,8 @@ def lineage_problems(run_dir: Path, mine: dict[str, Any]) -> list[str]:
             problems.append(f"another {what} (SHA256 {theirs.get(key)} there, {mine[key]} here)")
     found = theirs.get("training")
     settings: dict[str, Any] = found if isinstance(found, dict) else {}
+    for key, value in ABSENT_MEANS.items():  # a run written before the key existed
+        settings.setdefault(key, value)
     differing = sorted(
         k
         for k in set(settings) | set(mine["training"])

@@ -7,6 +7,14 @@ a hard per-answer timeout (RLinf's is 10 s). math_verify's own timeouts use sign
 works only in a process's main thread, and a Ray actor method (or `asyncio.to_thread`) is not
 one; RLinf's grader sets none. A worker that runs past `timeout_s` is killed, its answer scored
 wrong, and a fresh worker takes its place, so a pathological expression cannot stall later steps.
+
+reward.reward_fn ('package.module:function') replaces the grader with a user's function,
+fn(prompt, answer, row) -> float, run in the same processes under the same limit: each process
+imports it by name when it starts (so it must be importable on the reward's node), an answer
+past reward.timeout_s scores 0.0, and its float is the reward as it is (no reward_scale). Unlike
+a math grader's exception, which scores the answer wrong, a user function that raises, returns
+no finite float, or kills its process fails the step with the traceback: that is a bug in the
+function, and scoring it 0 would let it pass as a low reward.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,13 +38,20 @@ from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from rlinf_twoworker.config import GRPOConfig
-from rlinf_twoworker.errors import TwoWorkerError
-from rlinf_twoworker.rewards.graders import GRADERS
+from rlinf_twoworker.errors import ConfigError, TwoWorkerError
+from rlinf_twoworker.rewards.graders import (
+    GRADERS,
+    REWARD_FN_KEY,
+    RewardFunction,
+    resolve_reward_fn,
+    reward_fn_syntax_problem,
+    reward_value_problem,
+)
 from rlinf_twoworker.rewards.math_verify_grader import grade_math_verify
 from rlinf_twoworker.rewards.rlinf_grader import environment_problem, grade_rlinf
 
 if TYPE_CHECKING:
-    from rlinf_twoworker.messages import Graded
+    from rlinf_twoworker.messages import Graded, PromptRow
 
 Grader = Callable[[str, Sequence[str]], bool]
 _STARTUP_TIMEOUT_S = 120.0
@@ -44,6 +60,17 @@ _STARTUP_TIMEOUT_S = 120.0
 
 class RewardError(TwoWorkerError):
     """The reward's grading workers could not be started."""
+
+
+class RewardFunctionError(TwoWorkerError):
+    """reward.reward_fn raised, returned no finite float, or ended its grading process: a bug
+    in the user's function, which fails the step (the message holds the traceback)."""
+
+
+TIMED_OUT_REWARD = 0.0
+"""The reward of an answer whose reward.reward_fn call ran past reward.timeout_s."""
+_TRACEBACK_CHARS = 6000
+"""A reward function's traceback is cut to its last this many characters (deep recursion)."""
 
 
 grade_one = grade_math_verify
@@ -78,11 +105,24 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
-def _worker_main(conn: Connection, grader: Grader, parent_pid: int) -> None:
-    """Loop of a grading process: receive (answer, solutions), send (correct, error or None)."""
+def _worker_main(
+    conn: Connection, grader: Grader, parent_pid: int, reward_fn: str | None = None
+) -> None:
+    """Loop of a grading process: receive (answer, solutions), send (correct, error or None).
+
+    With `reward_fn`, resolved here by name (a spawned process imports it afresh): receive
+    (prompt, answer, row), send (reward, None) or (None, why there is none); a name that does
+    not resolve here is sent as ("failed", why) instead of "ready"."""
     _die_with_parent(parent_pid)
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).addFilter(_DropTimeoutNotice())
+    judge: RewardFunction | None = None
+    if reward_fn is not None:
+        try:
+            judge = resolve_reward_fn(reward_fn)
+        except Exception as exc:
+            conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+            return
     conn.send("ready")
     while True:
         try:
@@ -91,10 +131,33 @@ def _worker_main(conn: Connection, grader: Grader, parent_pid: int) -> None:
             return
         if task is None:
             return
+        if judge is not None:
+            conn.send(_call_reward_fn(judge, *task))
+            continue
         try:
             conn.send((bool(grader(*task)), None))
         except Exception as exc:  # a grader bug must not kill the worker
             conn.send((False, f"{type(exc).__name__}: {exc}"))
+
+
+def _call_reward_fn(
+    fn: RewardFunction, prompt: str, answer: str, row: dict[str, Any]
+) -> tuple[float | None, str | None]:
+    """(the reward, None), or (None, what went wrong: the traceback, or the value refused)."""
+    try:
+        value = fn(prompt, answer, row)
+    except Exception:
+        trace = traceback.format_exc()[-_TRACEBACK_CHARS:]
+        return None, f"raised on the answer {_preview(answer)}:\n{trace}"
+    problem = reward_value_problem(value)
+    if problem is not None:
+        return None, f"{problem} for the answer {_preview(answer)}"
+    return float(value), None
+
+
+def _preview(text: str, chars: int = 80) -> str:
+    """The start of an answer, for an error that must say which one without quoting it all."""
+    return repr(text if len(text) <= chars else text[:chars] + "...")
 
 
 @dataclass
@@ -126,8 +189,13 @@ class MathReward:
 
     `grader` judges one answer against its solutions: RLinf's (grade_rlinf, the default) or
     math_verify's (grade_one), or any picklable module-level function (tests make one hang).
+    `reward_fn` ('package.module:function', reward.reward_fn) replaces the grader: score() then
+    needs each answer's PromptRow and returns the function's values as they are (reward_scale
+    unused), 0.0 for an answer past timeout_s, and raises RewardFunctionError when the function
+    raises, returns no finite float, or ends its process.
     `last_stats` describes the latest score() call: correct + wrong is the number of answers; timed_out and errors (grader exceptions, dead workers) are counted among
-    the wrong ones; seconds is the call's wall time. Thread-safe: calls are serialised.
+    the wrong ones; seconds is the call's wall time (under reward_fn: correct counts the
+    rewards > 0). Thread-safe: calls are serialised.
     """
 
     def __init__(
@@ -136,7 +204,10 @@ class MathReward:
         timeout_s: float = 10.0,
         num_workers: int | None = None,
         grader: Grader = grade_rlinf,
+        reward_fn: str | None = None,
     ) -> None:
+        if reward_fn is not None and (problem := reward_fn_syntax_problem(reward_fn)):
+            raise ConfigError(REWARD_FN_KEY, reward_fn, problem)
         if timeout_s <= 0:
             raise ValueError(f"reward.timeout_s={timeout_s} must be > 0")
         try:
@@ -145,9 +216,12 @@ class MathReward:
             raise ValueError(
                 f"grader {grader!r} must be picklable (a module-level function): {exc}"
             ) from exc
-        if grader is grade_rlinf and (problem := environment_problem()):
+        if reward_fn is None and grader is grade_rlinf and (problem := environment_problem()):
             raise RewardError(f"math reward on {os.uname().nodename}: {problem}")
         self.reward_scale, self.timeout_s, self.grader = reward_scale, timeout_s, grader
+        self.reward_fn = reward_fn
+        self._missed: Any = False if reward_fn is None else TIMED_OUT_REWARD
+        """An answer's result until its process answers (what a timed-out answer keeps)."""
         self.num_workers = num_workers or min(4, os.cpu_count() or 1)
         self.last_stats: dict[str, float] = {}
         self._workers: list[_Worker] = []
@@ -157,10 +231,18 @@ class MathReward:
         # this one lives as long as this object, whichever threads call score() and warm_up().
         self._starter = ThreadPoolExecutor(1, thread_name_prefix="math-grader-start")
 
-    def score(self, answers: Sequence[str], solutions: Sequence[Sequence[str]]) -> list[float]:
-        """+reward_scale for each answer that matches one of its solutions, else -reward_scale."""
+    def score(
+        self,
+        answers: Sequence[str],
+        solutions: Sequence[Sequence[str]],
+        rows: Sequence[PromptRow] | None = None,
+    ) -> list[float]:
+        """+reward_scale for each answer that matches one of its solutions, else -reward_scale;
+        under reward_fn, the function's value for each answer and its `rows` entry."""
         if len(answers) != len(solutions):
             raise ValueError(f"{len(answers)} answers but {len(solutions)} solution lists")
+        if self.reward_fn is not None:
+            return self._score_with_function(answers, rows)
         with self._lock:
             start = time.monotonic()
             correct, timed_out, errors = self._grade_all(list(zip(answers, solutions, strict=True)))
@@ -173,20 +255,48 @@ class MathReward:
         }
         return [self.reward_scale if ok else -self.reward_scale for ok in correct]
 
+    def _score_with_function(
+        self, answers: Sequence[str], rows: Sequence[PromptRow] | None
+    ) -> list[float]:
+        if rows is None or len(rows) != len(answers):
+            raise ValueError(
+                f"reward.reward_fn needs each answer's prompt and data row: {len(answers)} "
+                f"answers but {'no' if rows is None else len(rows)} rows"
+            )
+        tasks = [(r.prompt, answer, r.row) for answer, r in zip(answers, rows, strict=True)]
+        with self._lock:
+            start = time.monotonic()
+            values, timed_out, errors = self._grade_all(tasks)
+        positive = sum(v > 0 for v in values)
+        self.last_stats = {
+            "correct": positive,
+            "wrong": len(values) - positive,
+            "timed_out": timed_out,
+            "errors": errors,
+            "seconds": time.monotonic() - start,
+        }
+        return [float(v) for v in values]
+
     async def score_async(
-        self, answers: Sequence[str], solutions: Sequence[Sequence[str]]
+        self,
+        answers: Sequence[str],
+        solutions: Sequence[Sequence[str]],
+        rows: Sequence[PromptRow] | None = None,
     ) -> list[float]:
         """score() in a thread, so an async actor's event loop keeps serving other calls."""
-        return await asyncio.to_thread(self.score, answers, solutions)
+        return await asyncio.to_thread(self.score, answers, solutions, rows)
 
     def warm_up(self) -> None:
         """Start every grading process and grade one trivial answer in each (the grader's
         imports), so the run's first step does not wait for them. Under the lock throughout:
         a score() meanwhile waits, and its stats are never this warm-up's."""
         with self._lock:
-            # An answer either grader parses as LaTeX and compares through sympy, so that each
-            # process has imported all it grades with.
-            self._grade_all([("\\boxed{\\frac{1}{2}}", ["\\sqrt{2}"])] * self.num_workers)
+            if self.reward_fn is None:
+                # An answer either grader parses as LaTeX and compares through sympy, so that
+                # each process has imported all it grades with.
+                self._grade_all([("\\boxed{\\frac{1}{2}}", ["\\sqrt{2}"])] * self.num_workers)
+            else:  # each imports the function as it starts; calling it on no data means nothing
+                self._top_up(self.num_workers)
             counts = {"timed_out": 0, "errors": 0}
             # The ones that got no answer may still be importing: wait for them.
             while any(not w.ready for w in self._workers):
@@ -208,9 +318,10 @@ class MathReward:
 
     # -- the worker pool ------------------------------------------------------------------------
 
-    def _grade_all(self, tasks: list[tuple[str, Sequence[str]]]) -> tuple[list[bool], int, int]:
-        """Grade every task; returns (correct per task, timed-out count, error count)."""
-        correct = [False] * len(tasks)
+    def _grade_all(self, tasks: Sequence[tuple[Any, ...]]) -> tuple[list[Any], int, int]:
+        """Grade every task; returns (correct per task, or the reward under reward_fn;
+        timed-out count, error count)."""
+        correct: list[Any] = [self._missed] * len(tasks)
         pending = deque(range(len(tasks)))
         counts = {"timed_out": 0, "errors": 0}
         try:
@@ -233,7 +344,7 @@ class MathReward:
             parent, child = self._ctx.Pipe()
             process = self._ctx.Process(
                 target=_worker_main,
-                args=(child, self.grader, os.getpid()),
+                args=(child, self.grader, os.getpid(), self.reward_fn),
                 daemon=True,
                 name="math-grader",
             )
@@ -241,15 +352,18 @@ class MathReward:
             child.close()
             self._workers.append(_Worker(process, parent))
 
-    def _dispatch(self, pending: deque[int], tasks: list[tuple[str, Sequence[str]]]) -> None:
+    def _dispatch(self, pending: deque[int], tasks: Sequence[tuple[Any, ...]]) -> None:
         for worker in self._workers:
             if pending and worker.ready and worker.task is None:
                 worker.task = pending.popleft()
                 worker.started = time.monotonic()
+                if self.reward_fn is not None:
+                    worker.conn.send(tasks[worker.task])  # (prompt, answer, row)
+                    continue
                 answer, solutions = tasks[worker.task]
                 worker.conn.send((answer, list(solutions)))
 
-    def _collect(self, correct: list[bool], counts: dict[str, int]) -> None:
+    def _collect(self, correct: list[Any], counts: dict[str, int]) -> None:
         """Wait (at most until the nearest deadline) for results and ready signals."""
         waiting = [w for w in self._workers if w.task is not None or not w.ready]
         if not waiting:
@@ -262,18 +376,49 @@ class MathReward:
             try:
                 message = worker.conn.recv()
             except (EOFError, OSError):
-                self._on_dead(worker, counts)
+                self._on_dead(worker, counts, len(correct))
                 continue
             if message == "ready":
                 worker.ready = True
+            elif not worker.ready:  # ("failed", why): reward_fn does not resolve there
+                self._drop(worker, kill=True)
+                raise RewardError(
+                    f"a grading process on {os.uname().nodename} cannot use {REWARD_FN_KEY}="
+                    f"{self.reward_fn}: {message[1]}"
+                )
             elif worker.task is not None:
                 ok, error = message
-                correct[worker.task] = ok
+                index, worker.task = worker.task, None
+                if error is not None and self.reward_fn is not None:
+                    raise RewardFunctionError(self._function_failure(index, len(correct), error))
+                correct[index] = ok
                 counts["errors"] += error is not None
-                worker.task = None
 
-    def _on_dead(self, worker: _Worker, counts: dict[str, int]) -> None:
+    def _function_failure(self, index: int, answers: int, error: str) -> str:
+        return (
+            f"{REWARD_FN_KEY} {self.reward_fn} failed on answer {index} (of {answers} in this "
+            f"grading call) on {os.uname().nodename}: it {error.rstrip()}\nA reward function "
+            "must return a finite float for every answer; fix the function (a failure stops "
+            "the run rather than scoring 0, which would hide the bug as a low reward)"
+        )
+
+    def _on_dead(self, worker: _Worker, counts: dict[str, int], answers: int) -> None:
         self._drop(worker, kill=True)
+        if self.reward_fn is not None and worker.ready and worker.task is not None:
+            raise RewardFunctionError(
+                self._function_failure(
+                    worker.task,
+                    answers,
+                    f"ended its grading process (exit code {worker.process.exitcode}) instead of "
+                    "returning",
+                )
+            )
+        if self.reward_fn is not None and not worker.ready:
+            raise RewardError(
+                f"a grading process on {os.uname().nodename} exited while importing "
+                f"{REWARD_FN_KEY}={self.reward_fn} (exit code {worker.process.exitcode}); "
+                "importing the function's module must not end the process"
+            )
         if not worker.ready:
             raise RewardError(
                 f"a math grading process exited while starting (exit code "
@@ -306,12 +451,16 @@ class MathReward:
 
 
 class RewardWorker:
-    """Math grading as a component; grading runs off the actor's event loop."""
+    """Math grading (or reward.reward_fn) as a component; grading runs off the actor's event
+    loop."""
 
     def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
         self.began = time.time()  # the process started and imported its worker module
         self.grader = MathReward(
-            cfg.reward.reward_scale, cfg.reward.timeout_s, grader=GRADERS[cfg.reward.grader]
+            cfg.reward.reward_scale,
+            cfg.reward.timeout_s,
+            grader=GRADERS[cfg.reward.grader],
+            reward_fn=cfg.reward.reward_fn,
         )
         self.rank = rank
 
@@ -323,11 +472,25 @@ class RewardWorker:
         await asyncio.to_thread(self.grader.warm_up)
         return {"seconds": {"grader_start": time.perf_counter() - start}, "cache": []}
 
-    async def score(self, answers: list[str], solutions: list[list[str]]) -> Graded:
+    async def score(
+        self, answers: list[str], solutions: list[list[str]], rows: list[PromptRow] | None = None
+    ) -> Graded:
+        """`rows` (each answer's prompt and data row) come only with reward.reward_fn."""
         from rlinf_twoworker.messages import Graded
 
-        scores = await self.grader.score_async(answers, solutions)
-        return Graded(scores, dict(self.grader.last_stats))
+        scores = await self.grader.score_async(answers, solutions, rows)
+        stats = dict(self.grader.last_stats)
+        if self.grader.reward_fn is not None and stats["timed_out"]:
+            logging.getLogger(__name__).warning(
+                "%d of %d answers scored %s: %s=%s ran past reward.timeout_s=%s s on them",
+                stats["timed_out"],
+                len(answers),
+                TIMED_OUT_REWARD,
+                REWARD_FN_KEY,
+                self.grader.reward_fn,
+                self.grader.timeout_s,
+            )
+        return Graded(scores, stats)
 
     def where(self) -> dict[str, Any]:
         from rlinf_twoworker.workers.process import place
