@@ -47,6 +47,16 @@ def test_a_component_process_answers_before_its_worker_is_built():
     assert report["seconds"] == {"load": 1.0}
 
 
+def test_a_worker_is_built_with_the_config_the_memory_plan_settled():
+    """The process starts with the config as requested (beside the preflight); the memory plan
+    then settles recompute, offload and micro-batch tokens in the run's config, and the worker
+    is built with that one (ComponentGroup.load passes it), not the one the process began
+    with."""
+    component = host_class(Loads, "actor")({"micro_batch_tokens": None}, 0)
+    component.load({"micro_batch_tokens": 16384})
+    assert component._worker.cfg == {"micro_batch_tokens": 16384}
+
+
 class Grades:
     """A worker with an async method, like the reward."""
 

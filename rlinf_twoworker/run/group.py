@@ -96,8 +96,13 @@ class ComponentHost:
         answer = cache.guarded(lambda: ahead(cfg, self.COMPONENT), who) if ahead else {}
         return {**answer, "seconds": time.perf_counter() - start, "bytecode": cache.take()}
 
-    def load(self) -> dict[str, Any]:
+    def load(self, cfg: GRPOConfig | None = None) -> dict[str, Any]:
+        """Build the worker, with `cfg` when given: the config as the run's memory plan settled
+        it (activation recompute, offload, micro-batch tokens), which the process, started
+        beside the preflight, was not made with."""
         self._load_began = time.time()
+        if cfg is not None:
+            self._args = (cfg, self._args[1])
         self._worker = self._class()(*self._args)
         return self._worker.where()
 
@@ -241,12 +246,13 @@ class ComponentGroup:
         }
 
     async def load(self) -> None:
-        """Every member's model load (its class's constructor), all at once; each one's
-        preparation starts as soon as its load is done, while the others still load."""
+        """Every member's model load (its class's constructor), all at once, with the run's
+        config as it is now (the memory plan's choices in it); each one's preparation starts
+        as soon as its load is done, while the others still load."""
 
         async def loaded(member: Member) -> dict[str, Any]:
             where = await self.call(
-                member, "load", timeout=self.timeouts.actor_start_s, stage="start"
+                member, "load", self.cfg, timeout=self.timeouts.actor_start_s, stage="start"
             )
             member.ready_at = time.time()
             self.start_preparing([member])
