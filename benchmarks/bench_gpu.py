@@ -17,12 +17,19 @@ Sections (each a median of several timed runs after warm-up, CUDA-synchronised):
   scaling    rollout cost as the work grows: 8/32/128 prompts x 8 answers at 1k/4k/8k tokens,
              continuous batching vs one static batch, time-limited (bench_scaling.py; not in
              the default list; --scaling-cases picks cases)
+  scale      whole colocated GRPO steps at real batch sizes: 32x8 and 64x8 prompts x answers at
+             2048 tokens, 8x8 at 8192, the tutorial job under cluster.max_gpu_memory_gb=40
+             (memory40) and as it is (tutorial); stage seconds, generated tokens/s, actor and
+             inference MFU, each process's nvidia-smi peak beside its memory plan; --scale-cases,
+             --scale-steps, --scale-endurance-steps N (32x8@2048 runs N steps: does memory
+             grow after step 3?) (bench_scale.py; not in the default list)
   pipelining pipelined vs sequential GRPO steps on two one-GPU nodes, answers of varied length
              (bench_pipeline.py; not in the default list)
   qwen3      the Qwen3-0.6B shape on the static engine: greedy tokens against generate's (fp32),
              decode tokens/s against generate (bf16) (probe_qwen3.py; not in the default list)
 The model is the DeepSeek-R1-Distill-Qwen-1.5B shape (Qwen2, random weights) saved to a local
-directory, so the library's real loading code runs. Timing lives here, never in tests.
+directory, so the library's real loading code runs. Timing lives here, never in tests. The
+results file records the commit (git, else $RLINF_COMMIT, else 'unknown') and the command.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import functools
 import gc
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -895,8 +903,54 @@ def _scaling(model_dir: Path, args: argparse.Namespace) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def _scale(model_dir: Path, root: Path, args: argparse.Namespace, results: dict) -> dict:
+    from bench_scale import bench_scale, scale_table  # benchmarks/ is the script's path
+
+    def save(section: dict) -> None:  # each case's figures on disk as soon as it ends
+        results["scale"] = section
+        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+
+    out = bench_scale(
+        model_dir,
+        root,
+        args.scale_cases,
+        args.scale_steps,
+        args.scale_endurance_steps,
+        args.scale_case_limit_s,
+        results["bf16_matmul_tflops"],
+        tuple(args.scale_override),
+        save,
+    )
+    out["table"] = scale_table({"scale": out})
+    print(out["table"], flush=True)
+    return out
+
+
+def commit() -> dict[str, str | bool | None]:
+    """The library's commit: git's (and whether tracked files differ from it), else
+    $RLINF_COMMIT (a copy without .git), else 'unknown'."""
+    here = Path(__file__).resolve().parent
+
+    def git(*argv: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", *argv], cwd=here, capture_output=True, text=True, timeout=30
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if head:
+        changed = git("status", "--porcelain", "--untracked-files=no")
+        return {"commit": head, "commit_dirty": None if changed is None else bool(changed)}
+    return {"commit": os.environ.get("RLINF_COMMIT") or "unknown", "commit_dirty": None}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="bench_results.json")
     parser.add_argument("--root", default="/tmp/rlinf-bench")
     parser.add_argument("--quick", action="store_true")
@@ -918,12 +972,59 @@ def main() -> None:
     parser.add_argument("--scaling-budget-s", type=float, default=360.0)
     parser.add_argument("--scaling-case-limit-s", type=float, default=150.0)
     parser.add_argument("--scaling-max-batch", type=int, default=256)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--scale-cases",
+        default="all",
+        help="the scale section's cases: PROMPTSxGROUP@SEQ, memory40, tutorial, comma-separated "
+        "(default all: 32x8@2048,64x8@2048,8x8@8192,memory40,tutorial)",
+    )
+    parser.add_argument(
+        "--scale-steps", type=int, default=3, help="steps of each scale case (default 3)"
+    )
+    parser.add_argument(
+        "--scale-endurance-steps",
+        type=int,
+        default=0,
+        help="N > 0: the 32x8@2048 case runs N steps and reports each process's host RSS and "
+        "GPU memory after each step, and whether they grew after step 3 (default 0: off)",
+    )
+    parser.add_argument(
+        "--scale-case-limit-s",
+        type=float,
+        default=None,
+        help="time limit of each scale case, start-up to verification (default 300 + 150 per step)",
+    )
+    parser.add_argument(
+        "--scale-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override for every scale case (repeatable), e.g. runner.micro_batch_tokens=16384",
+    )
+    args = parser.parse_args(argv)
+    if args.scale_steps < 1:
+        parser.error("--scale-steps must be >= 1")
+    if args.scale_endurance_steps < 0:
+        parser.error("--scale-endurance-steps must be >= 0")
+    if "scale" in args.sections.split(","):  # a bad case name fails now, not after the set-up
+        from bench_scale import parse_cases  # benchmarks/ is the script's path
+
+        try:
+            parse_cases(args.scale_cases)
+        except SystemExit as exc:
+            parser.error(str(exc))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     import transformers
 
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     results: dict = {
+        **commit(),
+        "command": shlex.join(sys.argv if argv is None else ["bench_gpu.py", *argv]),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -949,6 +1050,7 @@ def main() -> None:
             model_dir, root, only=tuple(filter(None, args.memory_runs.split(",")))
         ),
         "scaling": lambda: _scaling(model_dir, args),
+        "scale": lambda: _scale(model_dir, root, args, results),
         "pipelining": lambda: _pipelining(root),
         "qwen3": _qwen3,
     }
@@ -975,6 +1077,10 @@ def main() -> None:
     if "table" in results.get("scaling", {}):
         print(results["scaling"]["table"])
         print(memory_table(results))
+    if "cases" in results.get("scale", {}):
+        from bench_scale import scale_table  # benchmarks/ is the script's path
+
+        print(scale_table(results))
 
 
 if __name__ == "__main__":
