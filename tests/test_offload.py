@@ -127,3 +127,68 @@ def test_a_run_with_offload_trains_as_the_run_without(cluster_2x2, tmp_path):
             assert m.metrics[f"memory/{copy}/gpu_reserved_during_update_gib"] == 0.0
             assert f"memory/{copy}/gpu_reserved_during_update_gib" not in k.metrics
     assert "actor offload turned on" not in log  # set by the user, not by the plan
+
+
+class _RecordingGroup:
+    """The calls a colocated weight sync makes on the run's component group, in order (the
+    sync's CUDA IPC needs a GPU; its order is the controller's and is checked here)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+
+    def actors(self) -> list[str]:
+        return ["actor:0"]
+
+    def policy_copies(self) -> list[str]:
+        return ["rollout:0", "inference:0"]
+
+    def shared_gpus(self) -> tuple[bool, bool]:
+        return (True, True)
+
+    async def settle(self) -> None:
+        self.calls.append(("settle", ()))
+
+    async def call_each(self, members, method, *args, timeout, stage, per_member=None):
+        self.calls.append((method, args))
+        if method == "export_weights":
+            return [{"handles": [["h-rollout"], ["h-inference"]], "bytes": 8, "seconds": 0.0}]
+        if method == "offload":
+            return [{"seconds": 0.0}]
+        return [{} for _ in members]
+
+    def call_behind(self, member, method, *args, timeout, stage) -> None:
+        self.calls.append((method, args))
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_the_colocated_sync_offloads_the_actor_before_the_copies_take_their_memory(offload):
+    """With actor.enable_offload the actor is asked to give its parameters and state back as
+    part of the export, before rollout and inference reallocate their weights in the import,
+    and the buckets are released, and waited for, before the step goes on; without it the
+    export keeps the actor's state and the release runs behind."""
+    import asyncio
+
+    from rlinf_twoworker.config import load_config, to_typed
+    from rlinf_twoworker.run.step import sync_weights
+
+    cfg = to_typed(
+        load_config(
+            None,
+            [
+                "actor.enable_offload=" + str(offload).lower(),
+                "rollout.validate_weight=false",
+                "runner.pipeline=sequential",
+            ],
+        )
+    )
+    group = _RecordingGroup()
+    asyncio.run(sync_weights(group, cfg))
+    methods = [m for m, _ in group.calls]
+    export = methods.index("export_weights")
+    assert group.calls[export][1][2] is offload  # offload_after, handed to the actor
+    assert export < methods.index("import_weights") < methods.index("release_weights")
+    if offload:
+        assert methods.index("release_weights") < methods.index("settle", 1)
+        assert methods[-1] == "offload"
+    else:
+        assert "offload" not in methods
