@@ -788,3 +788,34 @@ def test_validation_error_names_key_value_and_rule(override: str, key: str, valu
     assert (err.key, err.value) == (key, value)
     message = str(err)
     assert f"'{key}'" in message and repr(value) in message and rule in message
+
+
+SHIPPED_YAML = (
+    Path(__file__).resolve().parents[2]
+    / "shared"
+    / "rlinf_ref"
+    / "qwen2.5-1.5b-grpo-pipeline-fsdp-sgl.yaml"
+)
+
+
+def test_rlinfs_yaml_as_it_ships_loads_without_repo_path(monkeypatch: pytest.MonkeyPatch):
+    """RLinf's starting YAML byte for byte (kept beside the repo, never copied into it): its
+    hydra.searchpath interpolates ${oc.env:REPO_PATH}, which RLinf's launch scripts export.
+    The library composes nothing from the search path, so the file loads with the variable
+    unset, the entry kept as written, and the resolved record (hydra/.hydra/config.yaml)
+    writes it as written too."""
+    if not SHIPPED_YAML.is_file():
+        pytest.skip(f"RLinf's reference YAML is not here ({SHIPPED_YAML}): ../shared is absent")
+    from rlinf_twoworker.config.load import to_yaml
+
+    monkeypatch.delenv("REPO_PATH", raising=False)
+    cfg = load_config(SHIPPED_YAML, TUTORIAL_OVERRIDES)
+    typed = to_typed(cfg)
+    written = "file://${oc.env:REPO_PATH}/examples/reasoning/config"
+    assert typed.hydra.searchpath == [written]
+    assert f"- {written}" in to_yaml(cfg)
+    assert typed.rollout.model.precision == "fp16"  # the rest of the file is read as before
+    # RLinf's own topology (one node, actor on ranks 2-3) asks for 4 GPUs on that node.
+    assert (
+        to_typed(load_config(SHIPPED_YAML, ["cluster.num_gpus_per_node=4"])).cluster.num_nodes == 1
+    )

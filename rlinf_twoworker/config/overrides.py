@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from rlinf_twoworker.errors import ConfigError
@@ -165,6 +165,19 @@ def omegaconf_reason(exc: OmegaConfBaseException) -> str:
     return first
 
 
+def _searchpath_as_written(raw: DictConfig) -> None:
+    """Keep each hydra.searchpath entry as the file writes it, unresolved. RLinf's YAML lists
+    `file://${oc.env:REPO_PATH}/...`, an environment variable its launch scripts export; the
+    library composes nothing from the search path (it is recorded only), so a YAML as RLinf
+    ships it must load without that variable set."""
+    paths = OmegaConf.select(raw, "hydra.searchpath", default=None)
+    if not isinstance(paths, ListConfig):
+        return
+    written = OmegaConf.to_container(paths, resolve=False)
+    assert isinstance(written, list)  # a ListConfig's container
+    raw.hydra.searchpath = [str(entry).replace("${", "\\${") for entry in written]
+
+
 def merge_file(cfg: DictConfig, path: Path, given: set[str] | None = None) -> DictConfig:
     """Merge an RLinf-layout YAML file into `cfg`; its keys are added to `given`."""
     if not path.is_file():
@@ -175,6 +188,7 @@ def merge_file(cfg: DictConfig, path: Path, given: set[str] | None = None) -> Di
         raise ConfigError("--config", str(path), f"the file is not valid YAML ({exc})") from exc
     if not isinstance(raw, DictConfig):
         raise ConfigError("--config", str(path), "the file must hold a mapping (RLinf's layout)")
+    _searchpath_as_written(raw)
     # Section by section, so that an error OmegaConf reports without a key names its section.
     for section in list(raw.keys()):
         try:
