@@ -18,6 +18,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from rlinf_twoworker import RunCancelledError, TwoWorkerError, run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config, make_inputs
 from rlinf_twoworker.cluster.placement import bundle_node_ids
+from rlinf_twoworker.config import to_typed
+from rlinf_twoworker.storage.data import load_jsonl
 from rlinf_twoworker.storage.verify import verify_run
 from rlinf_twoworker.workers.rollout import RolloutWorker
 
@@ -146,6 +148,38 @@ def test_two_step_run_end_to_end(cluster_2x2, inputs, tmp_path):
         "Step limit given by max_steps=2 reached. Stopping run"
         in (run_dir / "log/main.log").read_text()
     )
+
+    # Every step's answers, one line each (runner.rollout_dump, on by default): the step's
+    # prompts in the sampler's order, group_size contiguous answers a prompt, the rewards
+    # those the step logged.
+    typed = to_typed(cfg)
+    size = typed.algorithm.group_size
+    rows = typed.data.rollout_batch_size * size
+    data = typed.data
+    samples = load_jsonl(data.train_data_paths, data.prompt_key, data.answer_key)
+    for step in (step1, step2):
+        lines = (run_dir / "rollouts" / f"step_{step.step}.jsonl").read_text().splitlines()
+        answers = [json.loads(line) for line in lines]
+        assert len(answers) == rows
+        assert set(answers[0]) == {
+            "step", "data_index", "query_id", "prompt", "answer",
+            "reward", "advantage", "length", "ended",
+        }  # fmt: skip
+        assert {a["step"] for a in answers} == {step.step}
+        for a in answers:
+            assert a["prompt"] == samples[a["data_index"]].prompt
+            assert a["ended"] == (a["length"] < typed.max_new_tokens)
+        groups = [answers[g : g + size] for g in range(0, rows, size)]
+        assert all(len({a["data_index"] for a in g}) == 1 for g in groups)
+        mean = sum(a["reward"] for a in answers) / rows
+        assert mean == pytest.approx(step.metrics["rollout/reward_scores"], abs=1e-6)
+        for g in groups:  # group-relative: a better reward never gets a lower advantage
+            for a in g:
+                for b in g:
+                    if a["reward"] > b["reward"]:
+                        assert a["advantage"] > b["advantage"], g
+                    if a["reward"] == b["reward"]:
+                        assert a["advantage"] == pytest.approx(b["advantage"], abs=1e-5), g
 
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()

@@ -245,6 +245,10 @@ class RunnerConfig:
     (128 keeps the shapes few on GPUs). Exact. On an H200 it made the starting config's step
     slightly slower (2.85 s instead of 2.78 s: little padding there, and the compiled actor
     meets several widths), hence off by default."""
+    rollout_dump: bool = True
+    """Write every step's answers to rollouts/step_<N>.jsonl in the run directory, one JSON
+    line per answer (data index, query id, prompt, answer, reward, advantage, length, whether
+    it ended before the token limit; storage/rollouts.py), as verl's rollout dumps."""
     resume_dir: str | None = None
     """'auto' or a run directory (or one of its checkpoints/global_step_<N>) to continue from
     its last complete checkpoint. 'auto' takes the newest complete checkpoint among the other

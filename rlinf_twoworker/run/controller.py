@@ -17,6 +17,7 @@ import copy
 import importlib
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -54,6 +55,7 @@ from rlinf_twoworker.storage.data import (
     validation_samples,
 )
 from rlinf_twoworker.storage.metrics import MetricsWriter
+from rlinf_twoworker.storage.rollouts import write_rollouts
 
 TRAINING_MODULES = (
     "rlinf_twoworker.engines.models",
@@ -392,6 +394,31 @@ class RunController:
         self.clock.record("component_start", time.time() - self.components_began)
         return gpu_ids
 
+    def _rollout_writer(
+        self, step: int, prompts: list[tuple[int, Any]]
+    ) -> Callable[[list[dict[str, Any]]], Awaitable[Any]] | None:
+        """runner.rollout_dump: the step's answers to rollouts/step_<N>.jsonl, each with its
+        prompt's data index, query id and text, written on the run's storage thread."""
+        if not self.cfg.runner.rollout_dump:
+            return None
+
+        async def write(records: list[dict[str, Any]]) -> Any:
+            lines = []
+            for record in records:
+                index, sample = prompts[record.pop("prompt")]
+                lines.append(
+                    {
+                        "step": step,
+                        "data_index": index,
+                        "query_id": sample.query_id,
+                        "prompt": sample.prompt,
+                        **record,
+                    }
+                )
+            return await self.io.call(write_rollouts, self.run_dir, step, lines)
+
+        return write
+
     async def _plan_memory(
         self, shapes: asyncio.Future, nodes: list[dict], gpu_of: dict[int, tuple[int, str]]
     ) -> MemoryPlan:
@@ -517,6 +544,7 @@ class RunController:
                     prompts,
                     [samples[i].solutions for i in indices],
                     prompt_rows(cfg, [samples[i] for i in indices]),
+                    self._rollout_writer(step, [(i, samples[i]) for i in indices]),
                 )
                 if first:  # done before the step's compiled calls; recorded now
                     await lifecycle.prepared(group, self.clock, self.log)

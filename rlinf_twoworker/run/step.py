@@ -10,6 +10,7 @@ timeout and fails with the component, rank and node that broke.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -168,22 +169,52 @@ async def run_step(
     prompts: list[list[int]],
     solutions: list[list[str]],
     rows: list[PromptRow] | None = None,
+    on_answers: Callable[[list[dict[str, Any]]], Awaitable[Any]] | None = None,
 ) -> StepResult:
     """Generate, grade, recompute, update (on the configured schedule), sync; returns the
     step's metrics and timings. `rows`: each prompt's text and data row, for reward.reward_fn
-    (prompt_rows)."""
+    (prompt_rows). `on_answers`: awaited with every answer's record (answer_records) once the
+    step is done, before it returns (runner.rollout_dump)."""
     marks = Marks()
     schedule = run_pipelined if cfg.pipelined else run_sequential
     plan = plan_chunks(cfg, step)
     ran = await schedule(group, cfg, step, plan, prompts, solutions, marks, rows)
     synced = await sync_weights(group, cfg)
     step_s = time.perf_counter() - marks.start
-    return StepResult(
+    result = StepResult(
         step=step,
         metrics=_metrics(cfg, ran, synced),
         timings=_timings(ran, synced, step_s, marks.at),
         finished_at=time.time(),
     )
+    if on_answers is not None:
+        await on_answers(answer_records(cfg, ran))
+    return result
+
+
+def answer_records(cfg: GRPOConfig, ran: Ran) -> list[dict[str, Any]]:
+    """Each answer of the step, in prompt order (group_size contiguous answers a prompt):
+    `prompt` (its index among the step's prompts), answer text, reward, advantage, length in
+    tokens and whether it ended before the token limit."""
+    out: list[dict[str, Any]] = []
+    group = cfg.algorithm.group_size
+    for chunk, advantages in zip(ran.chunks, ran.advantages):
+        lengths = chunk.rollout.batch.response_mask.sum(-1).tolist()
+        first = (chunk.chunk.prompts.start or 0) * group
+        for i, text in enumerate(chunk.rollout.texts):
+            length = int(lengths[i])
+            out.append(
+                {
+                    "prompt": (first + i) // group,
+                    "answer": text,
+                    "reward": float(chunk.rewards[i]),
+                    # Constant over an answer's tokens (group-relative, whitening affine).
+                    "advantage": float(advantages[i, 0]) if length else 0.0,
+                    "length": length,
+                    "ended": length < cfg.max_new_tokens,
+                }
+            )
+    return out
 
 
 def _metrics(cfg: GRPOConfig, ran: Ran, synced: dict[str, float]) -> dict[str, float]:
