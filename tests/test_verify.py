@@ -426,6 +426,25 @@ def test_verify_command_flags_replace_the_record(
     assert "max_steps=3 reached" in out and "not at the target step 3" in out
 
 
+def test_a_what_if_verify_leaves_the_runs_record_unchanged(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify RUN_DIR writes verification.json when it checks the run against its own record;
+    with a flag that asks about other values (--target-steps 3 on a 2-step run) it prints its
+    verdict and leaves the record as the run left it, so readback still takes the run."""
+    assert main(["verify", str(run_dir)]) == 0
+    record = (run_dir / "verification.json").read_bytes()
+    assert json.loads(record)["passed"] is True
+    capsys.readouterr()
+    assert main(["verify", str(run_dir), "--target-steps", "3"]) == 1
+    out = capsys.readouterr().out
+    assert "verification.json left unchanged" in out and "not at the target step 3" in out
+    assert (run_dir / "verification.json").read_bytes() == record
+    # Flags that repeat the record's own values are its own question: written again.
+    assert main(["verify", str(run_dir), "--target-steps", str(STEPS)]) == 0
+    assert "left unchanged" not in capsys.readouterr().out
+
+
 def test_verify_command_keeps_output_dir_as_an_alias(
     run_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -179,8 +179,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except TwoWorkerError as exc:
         print(f"RLINF_VERIFICATION_STATUS=failed error={' '.join(str(exc).split())}", flush=True)
         return INVALID
-    report = verify_run(run_dir, expected=expected)
+    own = _record_expected(run_dir)
+    what_if = own is None or expected != own
+    if what_if:  # the run's record stays the run's: a question about other values only prints
+        print(
+            "RLINF_VERIFICATION_NOTE checked against values other than the run's own record "
+            "(flags given, or no readable record): verification.json left unchanged",
+            flush=True,
+        )
+    report = verify_run(run_dir, expected=expected, write=not what_if)
     return OK if report.passed else FAILED
+
+
+def _record_expected(run_dir: Path) -> Expected | None:
+    """What the run's own record asks for, or None without a readable record."""
+    from rlinf_twoworker.storage.verify import expected_from_record
+
+    try:
+        return expected_from_record(run_dir, None, None, None)
+    except TwoWorkerError:
+        return None
 
 
 def _verify_run_dir(args: argparse.Namespace) -> Path:
