@@ -36,9 +36,13 @@ SLACK_TRAINING = 0.10
 """...and the same for the actor (on an H200, 1.5B shape, colocated, measured with the weight
 sync's leak fixed: reserved 9.8% above this plan's other parts without recompute and 9.5% with
 it; the 0.20 of the first calibration had absorbed one leaked copy of the weights)."""
-ACTIVATIONS_COMPILED = (7, 3)
+ACTIVATIONS_COMPILED = (9, 4)
 """(a, b): a decoder layer keeps about a x hidden + b x intermediate values per token for its
-backward when its forward is compiled (fused norms and SwiGLU)..."""
+backward when its forward is compiled (fused norms and SwiGLU). Calibrated on an H200 at the
+1.5B shape from the actor's nvidia-smi peak less its exact parts (weights, gradients, Adam's
+state, gathered layers): 3.89 MiB a token at 16384-token micro-batches and 3.85 at 4096
+(benchmarks/RESULTS.md, session 19), which (9, 4), the logits and the slack below put within
+-1%..+5%; the (7, 3) before it was 14% low at 16384 tokens..."""
 ACTIVATIONS_EAGER = (16, 6)
 """...and about this many when it runs eagerly (float32 norm copies, unfused SwiGLU)."""
 LOGIT_BYTES_TRAIN = 5
@@ -162,10 +166,32 @@ def shape_on_meta(model_dir: str | Path) -> ModelShape:
     )
 
 
-def _cap(tokens_budget: int, min_rows: int, rows: int, seq: int) -> int:
-    """Most tokens one micro-batch holds: as many rows as fit in the budget at the narrowest
-    width that still fills it, at least min_rows full-width rows, never more than all rows."""
-    return min(rows * seq, max(tokens_budget, min_rows * seq))
+def micro_batch_tokens(
+    cfg: GRPOConfig, ranks: int, training: bool, cut: int | None = None, whole_rows: bool = False
+) -> int:
+    """Most tokens one micro-batch of the actor's update (`training`, per rank) or of the
+    log-prob forward holds: a `cut` of tokens (None: the config's settled cut; 0: RLinf's row
+    count alone) holds at least the RLinf key's rows of full width and never more than all the
+    rows; under dynamic batch size runner.max_tokens_per_mbs cuts, at least one row.
+    `whole_rows` rounds a cut down to whole full-width rows (what a batch of full-length
+    answers really gets); without it the cut is the bound the estimate must hold."""
+    runner, algo = cfg.runner, cfg.algorithm
+    seq = runner.seq_length
+    if training:
+        rows = cfg.data.rollout_batch_size * algo.group_size // algo.n_minibatches // ranks
+        least = algo.training_batch_size_per_gpu
+        if runner.enable_dynamic_batch_size:
+            return min(rows * seq, max(runner.max_tokens_per_mbs, seq))
+        tokens = runner.actor_cut_tokens if cut is None else cut
+    else:
+        rows = cfg.data.rollout_batch_size * algo.group_size
+        least = algo.logprob_forward_micro_batch_size
+        tokens = runner.logprob_cut_tokens if cut is None else cut
+    if not tokens:
+        return max(1, min(rows, least)) * seq
+    if whole_rows:
+        tokens = max(seq, tokens // seq * seq)
+    return min(rows * seq, max(tokens, least * seq))
 
 
 def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool) -> dict[str, int]:
@@ -174,15 +200,7 @@ def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool)
     gpu = cfg.cluster.accelerator == "cuda"
     master = BYTES[cfg.actor.model.precision] if gpu else 4
     compute = 2 if gpu and cfg.actor.mixed_precision else master
-    runner, algo = cfg.runner, cfg.algorithm
-    seq = runner.seq_length
-    rows = cfg.data.rollout_batch_size * algo.group_size // algo.n_minibatches // ranks
-    if runner.enable_dynamic_batch_size:
-        tokens = _cap(runner.max_tokens_per_mbs, 1, rows, seq)
-    elif runner.actor_cut_tokens:
-        tokens = _cap(runner.actor_cut_tokens, algo.training_batch_size_per_gpu, rows, seq)
-    else:
-        tokens = min(rows, algo.training_batch_size_per_gpu) * seq
+    tokens = micro_batch_tokens(cfg, ranks, training=True)
     a, b = ACTIVATIONS_COMPILED if gpu and cfg.actor.compile else ACTIVATIONS_EAGER
     per_layer = compute * (a * shape.hidden + b * shape.intermediate)
     if recompute:  # every layer's input kept, one layer's activations at a time
@@ -204,16 +222,7 @@ def logprob_parts(cfg: GRPOConfig, shape: ModelShape, precision: str) -> dict[st
     """The inference (or reference) copy: its weights and one log-prob micro-batch."""
     gpu = cfg.cluster.accelerator == "cuda"
     size = BYTES[precision] if gpu else 4
-    runner, algo = cfg.runner, cfg.algorithm
-    rows = cfg.data.rollout_batch_size * algo.group_size
-    tokens = _cap(
-        runner.logprob_cut_tokens,
-        algo.logprob_forward_micro_batch_size,
-        rows,
-        runner.seq_length,
-    )
-    if not runner.logprob_cut_tokens:
-        tokens = min(rows, algo.logprob_forward_micro_batch_size) * runner.seq_length
+    tokens = micro_batch_tokens(cfg, 1, training=False)
     return {
         "weights": shape.params * size,
         "activations": tokens * size * (4 * shape.hidden + 3 * shape.intermediate),

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rlinf_twoworker import components
-from rlinf_twoworker.cluster.memory_parts import GIB, ModelShape, process_parts
+from rlinf_twoworker.cluster.memory_parts import GIB, ModelShape, micro_batch_tokens, process_parts
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.config.placement import Placement
 from rlinf_twoworker.config.schema import (
@@ -284,10 +284,12 @@ ACTOR_CUT_OVERHEAD_TOKENS = 6500
 """The cost model's fixed cost of one actor micro-batch, in tokens of compute: on an H200 at the
 1.5B shape (32 x 8 answers of 2048 tokens) the update took 20.8 s in 4096-token micro-batches
 and 11.2 s in 16384-token ones, which a fixed cost of about 6,500 tokens a cut explains."""
-AUTO_SHARE = 0.85
-"""A cut the plan grows past its floor must leave 15% of each GPU's budget unplanned: the
-library's own choice keeps a margin for what the estimate misses (the floors, the library's
-former fixed defaults, and the user's values are held to the whole budget, as before)."""
+AUTO_SHARE = 0.90
+"""A cut the plan grows past its floor must leave 10% of each GPU's budget unplanned: the
+library's own choice keeps a margin for what the estimate misses (on an H200 the per-process
+estimates came within -10%..+5% of nvidia-smi's peaks, memory_parts.ACTIVATIONS_COMPILED); the
+floors, the library's former fixed defaults, and the user's values are held to the whole
+budget, as before."""
 LOGPROB_CUT_OVERHEAD_TOKENS = 2000
 """The same for a log-prob forward (no backward, no optimiser: a smaller fixed cost)."""
 
@@ -305,26 +307,10 @@ class Cuts:
         token 3 units for a forward and backward (6N FLOPs), one more with recompute, 1 for a
         forward alone (2N), each cut paying a fixed cost (the constants above). Only the
         order of two costs means anything."""
-        actor = effective_tokens(cfg, self.actor_tokens, ranks, training=True)
-        logprob = effective_tokens(cfg, self.logprob_tokens, ranks, training=False)
+        actor = micro_batch_tokens(cfg, ranks, True, self.actor_tokens, whole_rows=True)
+        logprob = micro_batch_tokens(cfg, 1, False, self.logprob_tokens, whole_rows=True)
         update = (4 if self.recompute else 3) * (1 + ACTOR_CUT_OVERHEAD_TOKENS / actor)
         return update + 1 + LOGPROB_CUT_OVERHEAD_TOKENS / logprob
-
-
-def effective_tokens(cfg: GRPOConfig, tokens: int, ranks: int, training: bool) -> int:
-    """The tokens a micro-batch of a `tokens` cut really holds: whole rows, at least the RLinf
-    key's rows, at most all rows (memory_parts._cap)."""
-    runner, algo = cfg.runner, cfg.algorithm
-    seq = runner.seq_length
-    if training:
-        rows = cfg.data.rollout_batch_size * algo.group_size // algo.n_minibatches // ranks
-        least = algo.training_batch_size_per_gpu
-        if runner.enable_dynamic_batch_size:  # max_tokens_per_mbs cuts, whatever `tokens`
-            return min(rows * seq, max(runner.max_tokens_per_mbs, seq))
-    else:
-        rows = cfg.data.rollout_batch_size * algo.group_size
-        least = algo.logprob_forward_micro_batch_size
-    return max(seq, min(rows * seq, max(tokens // seq * seq, least * seq)))
 
 
 def choose_cuts(
@@ -333,6 +319,7 @@ def choose_cuts(
     shapes: Mapping[str, ModelShape],
     free: Mapping[int, int] | None,
     offload: bool | None,
+    recompute: bool | None = None,
 ) -> tuple[Cuts, MemoryPlan] | None:
     """The fastest cuts (by Cuts.cost) whose plan fits every GPU, over the values the config
     leaves to the plan (null micro-batch tokens: ACTOR_CUTS / LOGPROB_CUTS; null recompute:
@@ -347,9 +334,9 @@ def choose_cuts(
     logprob_options = (
         LOGPROB_CUTS if runner.logprob_micro_batch_tokens is None else (runner.logprob_cut_tokens,)
     )
-    recompute_options = (
-        (False, True) if cfg.actor.recompute_choice is None else (cfg.actor.recompute,)
-    )
+    if recompute is None and cfg.actor.recompute_choice is not None:
+        recompute = cfg.actor.recompute
+    recompute_options = (False, True) if recompute is None else (recompute,)
     saved = (runner.micro_batch_tokens, runner.logprob_micro_batch_tokens)
     floors = (
         MICRO_BATCH_TOKENS_FLOOR if saved[0] is None else runner.actor_cut_tokens,
@@ -358,15 +345,19 @@ def choose_cuts(
     best: tuple[float, Cuts, MemoryPlan] | None = None
     seen: set[Cuts] = set()
     try:
-        for recompute in recompute_options:
+        for with_recompute in recompute_options:
             for actor_tokens in actor_options:
                 for logprob_tokens in logprob_options:
                     # A value past all rows cuts as all rows: name the cut by what it holds.
                     if saved[0] is None and not runner.enable_dynamic_batch_size:
-                        actor_tokens = effective_tokens(cfg, actor_tokens, ranks, True)
+                        actor_tokens = micro_batch_tokens(
+                            cfg, ranks, True, actor_tokens, whole_rows=True
+                        )
                     if saved[1] is None:
-                        logprob_tokens = effective_tokens(cfg, logprob_tokens, ranks, False)
-                    cuts = Cuts(actor_tokens, logprob_tokens, recompute)
+                        logprob_tokens = micro_batch_tokens(
+                            cfg, 1, False, logprob_tokens, whole_rows=True
+                        )
+                    cuts = Cuts(actor_tokens, logprob_tokens, with_recompute)
                     if cuts in seen:
                         continue
                     seen.add(cuts)
@@ -377,7 +368,7 @@ def choose_cuts(
                         actor_tokens,
                         logprob_tokens,
                     )
-                    plan = plan_memory(cfg, placement, shapes, free, recompute, offload)
+                    plan = plan_memory(cfg, placement, shapes, free, with_recompute, offload)
                     grown = actor_tokens > floors[0] or logprob_tokens > floors[1]
                     share = AUTO_SHARE if grown else 1.0
                     if all(g.budget is None or g.total <= share * g.budget for g in plan.gpus):
@@ -425,6 +416,13 @@ def settle_plan(
         if found is None:
             continue
         cuts, plan = found
+        # Whether recompute is needed at all, or only the faster choice (asked while the
+        # cuts are still left to the plan).
+        needs_recompute = (
+            recompute_free
+            and cuts.recompute
+            and choose_cuts(cfg, placement, shapes, free, offload, recompute=False) is None
+        )
         runner.micro_batch_tokens = cuts.actor_tokens
         runner.logprob_micro_batch_tokens = cuts.logprob_tokens
         notes = []
@@ -435,12 +433,11 @@ def settle_plan(
                 "fastest cut that fits, by the plan's cost model; set them to fix the cut)"
             )
         if recompute_free and cuts.recompute:
-            short = plan_memory(cfg, placement, shapes, free, False, offload).too_big()
-            why = (
-                f"{'; '.join(gpu.where() for gpu in short)} fits only with it"
-                if short
-                else "with it a larger micro-batch fits, faster by the plan's cost model"
-            )
+            if needs_recompute:
+                short = plan_memory(cfg, placement, shapes, free, False, offload).too_big()
+                why = f"{'; '.join(gpu.where() for gpu in short)} fits only with it"
+            else:
+                why = "with it a larger micro-batch fits, faster by the plan's cost model"
             cfg.actor.activation_checkpointing = True
             notes.append(
                 "MEMORY_PLAN actor activation recompute turned on (actor.activation_"
