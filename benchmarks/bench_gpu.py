@@ -429,6 +429,34 @@ TOPOLOGIES = {
 }
 
 
+def job_overrides(
+    model_dir: Path,
+    data: Path,
+    root: Path,
+    run_id: str,
+    steps: int,
+    topology: str = "colocated",
+    compile_cache: Path | None = None,
+) -> list[str]:
+    """A benchmark job's run overrides: the topology, the model at `model_dir` for every
+    component, the data file, runs under `root`/runs as `run_id`, `steps` steps and a
+    checkpoint at the last, and the shared compile cache where one is given."""
+    nodes, gpus, placement = TOPOLOGIES[topology]
+    cache = [] if compile_cache is None else [f"runner.compile_cache_dir={compile_cache}"]
+    return [
+        f"cluster.num_nodes={nodes}",
+        f"cluster.num_gpus_per_node={gpus}",
+        f"cluster.component_placement={placement}",
+        *(f"{c}.model.model_path={model_dir}" for c in ("actor", "rollout", "inference")),
+        f"data.train_data_paths=[{data}]",
+        f"runner.output_dir={root / 'runs'}",
+        f"runner.experiment_name={run_id}",
+        *cache,
+        f"runner.max_steps={steps}",
+        f"runner.save_interval={steps}",
+    ]
+
+
 def bench_grpo_step(
     model_dir: Path, root: Path, steps: int, topology: str = "colocated", extra: tuple = ()
 ) -> dict:
@@ -443,19 +471,8 @@ def bench_grpo_step(
     if torch.cuda.device_count() < nodes * gpus:
         return {"skipped": f"needs {nodes * gpus} GPUs, found {torch.cuda.device_count()}"}
     data = make_inputs(root / "inputs").data_path
-    model = str(model_dir)
     overrides = [
-        f"cluster.num_nodes={nodes}",
-        f"cluster.num_gpus_per_node={gpus}",
-        f"cluster.component_placement={placement}",
-        f"actor.model.model_path={model}",
-        f"rollout.model.model_path={model}",
-        f"inference.model.model_path={model}",
-        f"data.train_data_paths=[{data}]",
-        f"runner.output_dir={root / 'runs'}",
-        f"runner.experiment_name=bench-{int(time.time())}",
-        f"runner.max_steps={steps}",
-        f"runner.save_interval={steps}",
+        *job_overrides(model_dir, data, root, f"bench-{int(time.time())}", steps, topology),
         "rollout.validate_weight=false",
         "algorithm.logprob_forward_micro_batch_size=16",
         "runner.enable_dynamic_batch_size=true",
@@ -606,22 +623,10 @@ def _tutorial_job(
     for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
         os.environ[var] = str(inductor / sub)  # inherited by the cluster's workers
     data = make_inputs(root / "inputs").data_path
-    model = str(model_dir)
-    nodes, gpus, placement = TOPOLOGIES["colocated"]
+    nodes, gpus, _ = TOPOLOGIES["colocated"]
     cfg = load_config(
         overrides=[
-            f"cluster.num_nodes={nodes}",
-            f"cluster.num_gpus_per_node={gpus}",
-            f"cluster.component_placement={placement}",
-            f"actor.model.model_path={model}",
-            f"rollout.model.model_path={model}",
-            f"inference.model.model_path={model}",
-            f"data.train_data_paths=[{data}]",
-            f"runner.output_dir={root / 'runs'}",
-            f"runner.experiment_name={run_id}",
-            f"runner.compile_cache_dir={cache}",
-            f"runner.max_steps={steps}",
-            f"runner.save_interval={steps}",
+            *job_overrides(model_dir, data, root, run_id, steps, compile_cache=cache),
             *extra,
         ]
     )

@@ -185,7 +185,7 @@ def run_case(
 ) -> dict[str, Any]:
     """One case (module docstring), its figures as a dict; never raises for the run's
     failures: they are kept under "error" beside the figures of the finished steps."""
-    from bench_gpu import TOPOLOGIES  # benchmarks/ is the script's path
+    from bench_gpu import TOPOLOGIES, job_overrides  # benchmarks/ is the script's path
 
     from rlinf_twoworker.api.demo import make_inputs
     from rlinf_twoworker.api.handle import run_grpo_two_worker
@@ -214,7 +214,7 @@ def run_case(
     for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
         os.environ[var] = str(root / "node-scale" / sub)  # inherited by the cluster's workers
     _on_pythonpath(BENCH)
-    nodes, gpus, placement = TOPOLOGIES["colocated"]
+    nodes, gpus, _ = TOPOLOGIES["colocated"]
     results: list[Any] = []
     pids: dict[int, str] = {}
     sampler = GpuUseSampler(gpu=0, interval_s=0.25)
@@ -222,20 +222,9 @@ def run_case(
     report = None
     try:
         data = make_inputs(root / "inputs").data_path
-        model = str(model_dir)
+        cache = root / "compile-cache-scale"
         overrides = [
-            f"cluster.num_nodes={nodes}",
-            f"cluster.num_gpus_per_node={gpus}",
-            f"cluster.component_placement={placement}",
-            f"actor.model.model_path={model}",
-            f"rollout.model.model_path={model}",
-            f"inference.model.model_path={model}",
-            f"data.train_data_paths=[{data}]",
-            f"runner.output_dir={root / 'runs'}",
-            f"runner.experiment_name={run_id}",
-            f"runner.compile_cache_dir={root / 'compile-cache-scale'}",
-            f"runner.max_steps={steps}",
-            f"runner.save_interval={steps}",
+            *job_overrides(model_dir, data, root, run_id, steps, compile_cache=cache),
             *own,
             *extra,
         ]

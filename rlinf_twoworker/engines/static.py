@@ -434,11 +434,12 @@ class StaticSampler:
             seen_at.setdefault(u, row)
         first = torch.tensor(sorted(seen_at.values()), device=ids.device)
         source = torch.tensor([seen_at[u] for u in inverse.tolist()], device=ids.device)
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         logits = torch.empty(0)
         chunk = prefill_rows(p)
         for begin in range(0, len(first), chunk):
             part = first[begin : begin + chunk]
-            out = self._prompt_forward(slots[part], ids[part], mask[part])
+            out = self._prompt_forward(slots[part], ids[part], mask[part], pos[part])
             logits = out if begin == 0 else torch.cat([logits, out])
         # Row i's logits are those of its prompt's first row; its keys and values a copy.
         row_of_first = torch.full((len(ids),), -1, dtype=torch.long, device=ids.device)
@@ -456,7 +457,6 @@ class StaticSampler:
             cut = slice(begin, begin + chunk)
             picked = self._pick(logits[logit_row[cut]], s, slots[cut])
             self.tok[slots[cut]] = picked.unsqueeze(1)
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         self.valid[slots] = False
         self.valid[slots, :p] = mask
         self.pos[slots] = pos[:, -1:] + 1
@@ -467,12 +467,11 @@ class StaticSampler:
         self.stats.prefill_rows += len(first)
 
     def _prompt_forward(
-        self, slots: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
+        self, slots: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor
     ) -> torch.Tensor:
-        """One prefill forward of prompts [n, P] into `slots`: their keys and values written,
-        the last position's logits returned."""
+        """One prefill forward of prompts [n, P] (positions `pos`, padding excluded) into
+        `slots`: their keys and values written, the last position's logits returned."""
         p = ids.shape[1]
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
         # Rows that are all padding in their first columns still need one visible key.
         eye = torch.eye(p, dtype=torch.bool, device=ids.device)
