@@ -29,7 +29,7 @@ Sections (each a median of several timed runs after warm-up, CUDA-synchronised):
              decode tokens/s against generate (bf16) (probe_qwen3.py; not in the default list)
 The model is the DeepSeek-R1-Distill-Qwen-1.5B shape (Qwen2, random weights) saved to a local
 directory, so the library's real loading code runs. Timing lives here, never in tests. The
-results file records the commit (git, else $RLINF_COMMIT, else 'unknown') and the command.
+results file records the commit ($RLINF_COMMIT, else git's, else 'unknown') and the command.
 """
 
 from __future__ import annotations
@@ -932,8 +932,10 @@ def _scale(model_dir: Path, root: Path, args: argparse.Namespace, results: dict)
 
 
 def commit() -> dict[str, str | bool | None]:
-    """The library's commit: git's (and whether tracked files differ from it), else
-    $RLINF_COMMIT (a copy without .git), else 'unknown'."""
+    """The library's commit: $RLINF_COMMIT where the caller sets it (a copy whose .git is not
+    the tree's), else git's (and whether tracked files differ from it), else 'unknown'."""
+    if os.environ.get("RLINF_COMMIT"):
+        return {"commit": os.environ["RLINF_COMMIT"], "commit_dirty": None}
     here = Path(__file__).resolve().parent
 
     def git(*argv: str) -> str | None:
@@ -949,7 +951,7 @@ def commit() -> dict[str, str | bool | None]:
     if head:
         changed = git("status", "--porcelain", "--untracked-files=no")
         return {"commit": head, "commit_dirty": None if changed is None else bool(changed)}
-    return {"commit": os.environ.get("RLINF_COMMIT") or "unknown", "commit_dirty": None}
+    return {"commit": "unknown", "commit_dirty": None}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
