@@ -35,7 +35,7 @@ def config_of(args: argparse.Namespace, name: str) -> Any:
 
     root = Path(args.output_root).resolve()
     run_id = args.run_id or time.strftime(f"{name}-%Y%m%d-%H%M%S")
-    inputs = make_inputs(root / f".inputs-{run_id}", task="digit7")
+    inputs = make_inputs(root / f".inputs-{run_id}")  # the demo's task and model
     return demo_config(inputs, root, run_id, args.overrides)
 
 

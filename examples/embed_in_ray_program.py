@@ -16,17 +16,26 @@ from rlinf_twoworker import run_grpo_two_worker
 from rlinf_twoworker.results import CheckpointInfo, StepResult
 
 TIMEOUT_S = 3600.0
+STAGES = (
+    "time/rollout",
+    "time/reward",
+    "time/inference",
+    "time/actor/training",
+    "time/sync_weights",
+)
+"""A step's stages (its other timings are parts of these, or moments: time/at/...)."""
 
 
 @ray.remote(num_cpus=0)
 def summarize(step: StepResult) -> dict[str, float]:
     """Runs on the cluster when the step is done; Ray passes the StepResult itself."""
-    stages = {k: v for k, v in step.timings.items() if k != "time/step"}
+    stages = {k: step.timings[k] for k in STAGES if k in step.timings}
     slowest = max(stages, key=stages.__getitem__)
     return {
         "step": step.step,
         "reward": step.metrics["rollout/reward_scores"],
         "correct": step.metrics["rollout/correct_fraction"],
+        "slowest_stage": slowest,
         "slowest_stage_share": stages[slowest] / step.timings["time/step"],
     }
 

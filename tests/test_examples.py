@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,13 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+STAGES = (
+    "time/rollout",
+    "time/reward",
+    "time/inference",
+    "time/actor/training",
+    "time/sync_weights",
+)
 TIMEOUT = 600
 
 
@@ -69,6 +77,9 @@ def test_embed_example_feeds_step_futures_to_its_own_tasks(cluster_2x2, tmp_path
     out = done.stdout.splitlines()
     summaries = [line for line in out if line.startswith("EMBED_SUMMARY ")]
     assert len(summaries) == 2 and "'step': 1" in summaries[0] and "'step': 2" in summaries[1]
+    for line in summaries:  # the slowest of the step's stages, not a moment (time/at/...)
+        summary = ast.literal_eval(line.removeprefix("EMBED_SUMMARY "))
+        assert summary["slowest_stage"] in STAGES and 0 < summary["slowest_stage_share"] <= 1
     assert any(line.startswith("EMBED_TREND reward_change=") for line in out)
     shard_bytes = next(line for line in out if line.startswith("EMBED_CHECKPOINT shard_bytes="))
     assert int(shard_bytes.split("=")[1]) > 0
@@ -109,3 +120,27 @@ def test_the_notebook_runs_on_a_local_kernel(tmp_path):
     assert "cancelled" in _text(code[6])
     run_dir = tmp_path / "notebook-work/runs/notebook-demo"
     assert (run_dir / "verification.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_readmes_python_example_runs_as_written(cluster_2x2, tmp_path, monkeypatch):
+    """The README's first Python block, executed verbatim in a directory holding a grpo.yaml
+    (the demo's model and data, runner.output_dir in it) on the session's 2x2 LocalCluster."""
+    from omegaconf import OmegaConf
+
+    from rlinf_twoworker.api.demo import demo_config, make_inputs
+
+    readme = (EXAMPLES.parent / "README.md").read_text(encoding="utf-8")
+    block = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'load_config("grpo.yaml"' in block and "handle.result()" in block
+    inputs = make_inputs(tmp_path / "inputs")
+    cfg = demo_config(inputs, tmp_path / "runs", "unused")
+    OmegaConf.save(cfg, tmp_path / "grpo.yaml")
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    report = scope["report"]
+    assert report.passed, report.errors
+    run_dir = tmp_path / "runs" / "my-run"
+    assert (run_dir / "verification.json").is_file()
+    assert (run_dir / "checkpoints" / "global_step_2").is_dir()
