@@ -166,6 +166,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
         ({"RUN_ID": "bad/id"}, "RUN_ID='bad/id' is invalid"),
         ({"RUN_ID": ""}, "RUN_ID='' is invalid"),
         ({"TARGET_STEPS": "0"}, "TARGET_STEPS='0' is invalid"),
+        ({"TARGET_STEPS": "1"}, "TARGET_STEPS='1' is invalid: it must be an integer >= 2"),
         ({"TARGET_STEPS": "two"}, "TARGET_STEPS='two' is invalid"),
         ({"RUN_ID": "taken"}, "already exists"),
     ],
@@ -191,6 +192,23 @@ def test_bad_request_fails_fast_without_a_cluster_and_touches_nothing(
     assert len(errors) == 1 and expected in errors[0], done.stderr
     assert done.stdout.splitlines()[-1] == "STARTUP_EXIT_CODE=2"
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["demo", "--steps", "1"], ["verify", "no-such-run", "--target-steps", "1"]],
+)
+def test_every_command_takes_one_minimum_step_count(tmp_path, argv):
+    """run's TARGET_STEPS, demo's --steps and verify's --target-steps follow one rule
+    (api.request.MIN_STEPS): 1 is refused by each, with the same reason, before anything runs."""
+    from rlinf_twoworker.api.request import MIN_STEPS
+
+    done = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    flag = argv[-2]
+    assert f"{flag}='1' is invalid: it must be an integer >= {MIN_STEPS}" in done.stderr
+    assert "RLinf never logs the final step's metrics" in done.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_request_check_lists_every_problem_in_the_tutorials_order(config_file, tmp_path):

@@ -244,6 +244,21 @@ def _verify_expected(
     return expected_at(run_dir, args.target_steps, args.expected_nodes, placement)
 
 
+def _command_steps(name: str) -> Any:
+    """An argparse type for a command's step count: api.request.MIN_STEPS, as TARGET_STEPS."""
+
+    def parse(text: str) -> int:
+        from rlinf_twoworker.api.request import steps_problem
+
+        problem = steps_problem(name, text)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return int(text)
+
+    parse.__name__ = name  # argparse names the type in its message
+    return parse
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -320,7 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the whole scenario on a local 2x2 cluster, no downloads")
     demo.add_argument("--output-root", default="demo-runs", help="parent of the run directory")
     demo.add_argument("--run-id", default=None, help="run name (default: demo-<time>)")
-    demo.add_argument("--steps", type=int, default=2, help="GRPO steps (default 2)")
+    demo.add_argument(
+        "--steps", type=_command_steps("--steps"), default=2, help="GRPO steps, >= 2 (default 2)"
+    )
     demo.add_argument("overrides", nargs="*", help="config overrides, Hydra syntax (a.b=c)")
     demo.set_defaults(func=cmd_demo)
     preflight = sub.add_parser("preflight", help="placement and per-node preflight only")
@@ -341,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument(
         "--target-steps",
-        type=_positive_int,
+        type=_command_steps("--target-steps"),
         default=None,
         help="the step the run must end at (default: runner.max_steps; give it for a run that "
         "runner.max_epochs ended earlier)",

@@ -20,6 +20,10 @@ from rlinf_twoworker.config import run_id_problem, to_typed
 from rlinf_twoworker.errors import ConfigError, RunDirExistsError, TwoWorkerError
 
 TUTORIAL_SUBDIR = Path("runs") / "two-worker-grpo-pipeline"
+MIN_STEPS = 2
+"""The fewest steps a run of the commands (run's TARGET_STEPS, demo's --steps, verify's
+--target-steps) may have: RLinf never logs the final step's metrics, so the tutorial's
+postflight needs at least two steps. (A run through the Python API may train one.)"""
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
@@ -82,14 +86,22 @@ def _read_run_id(
         request.overrides.append(f"runner.experiment_name={json.dumps(run_id)}")
 
 
+def steps_problem(name: str, text: str) -> str | None:
+    """What is wrong with `text` as the step count `name` of a command (MIN_STEPS), or None."""
+    if text.strip().isdigit() and int(text) >= MIN_STEPS:
+        return None
+    return (
+        f"{name}={text!r} is invalid: it must be an integer >= {MIN_STEPS} (RLinf never logs "
+        f"the final step's metrics, so the postflight needs at least {MIN_STEPS} steps)"
+    )
+
+
 def _read_target_steps(request: EnvRequest, steps: str | None) -> None:
     if steps is None:
         return
-    if not steps.strip().isdigit() or int(steps) < 2:
-        request.problems.append(
-            f"TARGET_STEPS={steps!r} is invalid: it must be an integer >= 2 (the tutorial's "
-            "postflight needs the metrics of at least two steps)"
-        )
+    problem = steps_problem("TARGET_STEPS", steps)
+    if problem:
+        request.problems.append(problem)
         request.steps_known = False
     else:
         request.overrides.append(f"runner.max_steps={int(steps)}")
