@@ -261,6 +261,60 @@ def test_request_check_says_what_is_wrong_with_each_input(config_file, tmp_path)
     assert f"{no_config} is not a file" in problems[4]
 
 
+def _run_request(config_file: Path, tmp_path: Path, *overrides: str):
+    """`rlinf-twoworker run` against no cluster (the request check must not need one): the
+    finished process and its seconds."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [*CLI, "run", "--config", str(config_file), *overrides],
+        env=driver_env(f"127.0.0.1:{free_port()}", tmp_path / "work"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return done, time.monotonic() - started
+
+
+def test_bad_data_is_refused_by_the_request_check_naming_file_line_and_column(
+    config_file, tmp_path
+):
+    """One line cut short among 200 (its SHA256SUMS correct): refused before Ray is touched,
+    in seconds, at that line's own column; nothing written."""
+    from rlinf_twoworker.storage.manifest import write_manifest
+
+    good = '{"prompt": "What is 1+1?", "solutions": ["2"]}\n'
+    bad = '{"prompt": "cut short", "solutions": ["2"]'
+    data = tmp_path / "data" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text(good * 100 + bad + "\n" + good * 99)
+    write_manifest(data.parent, ["train.jsonl"])
+    done, seconds = _run_request(config_file, tmp_path, f"data.train_data_paths=[{data}]")
+    assert seconds < 10, seconds
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("RLINF_ERROR=")]
+    column = len(bad) + 1  # where the missing brace was due: on line 101, not column 1 of 102
+    expected = (
+        f"malformed line {data}:101: invalid JSON (Expecting ',' delimiter at column {column})"
+    )
+    assert len(errors) == 1 and expected in errors[0], done.stderr
+    assert "data.skip_malformed_lines=true" in errors[0]
+    assert not (tmp_path / "work").exists()
+
+
+def test_a_data_file_without_its_manifest_is_named_once_by_the_request_check(config_file, tmp_path):
+    data = tmp_path / "data" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text('{"prompt": "What is 1+1?", "solutions": ["2"]}\n')
+    done, seconds = _run_request(config_file, tmp_path, f"data.train_data_paths=[{data}]")
+    assert seconds < 10, seconds
+    assert done.returncode == 2, done.stderr
+    manifest = data.parent / "SHA256SUMS"
+    assert done.stderr.count(f"manifest {manifest} is missing") == 1, done.stderr
+    (data.parent / "SHA256SUMS").write_text(f"{'0' * 64}  other.jsonl\n")
+    done, _ = _run_request(config_file, tmp_path, f"data.train_data_paths=[{data}]")
+    assert done.returncode == 2 and f"input {data} is not listed in {manifest}" in done.stderr
+
+
 def test_environment_problems_come_together_and_a_config_error_comes_alone(config_file):
     env = {"RUN_ID": "bad/id", "TARGET_STEPS": "1", "WORK_ROOT": "/no/such/root"}
     with pytest.raises(RequestError) as info:

@@ -205,9 +205,10 @@ def check_inputs(typed: Any) -> None:
 
 
 def input_problems(typed: Any) -> list[str]:
-    """Cheap checks of the inputs on this node (the preflight checks digests on every node):
-    reward.reward_fn's function, model directories, tokenizer directories, data files; one
-    problem per path."""
+    """Checks of the inputs on this node, in seconds (the preflight checks digests on every
+    node): reward.reward_fn's function, model directories, tokenizer directories, data files
+    (every line parsed as the run parses it), each input's SHA256SUMS (present, well formed,
+    listing a data file); one problem per path."""
     problems: list[str | None] = []
     if (error := reward_fn_error(typed)) is not None:  # resolve_request raised it already
         problems.append(str(error))
@@ -216,13 +217,14 @@ def input_problems(typed: Any) -> list[str]:
         problem = _directory_problem(path, keys, "model")
         if problem:
             unusable.add(path)
-        problems.append(problem or _config_json_problem(path, keys))
+        problems.append(problem or _config_json_problem(path, keys) or _manifest_problem(path))
     for path, keys in _paths_by_key(_tokenizer_keys(typed)).items():
         if path not in unusable:  # a model directory that is not usable was named already
             problem = _directory_problem(path, keys, "tokenizer")
             problems.append(problem or _tokenizer_problem(path, keys))
     for path, keys in _paths_by_key(_data_keys(typed)).items():
-        problems.append(_data_problem(path, keys))
+        problem = _data_problem(path, keys)
+        problems.append(problem or _manifest_problem(path) or _data_lines_problem(typed, path))
     return [p for p in problems if p]
 
 
@@ -294,6 +296,29 @@ def _tokenizer_problem(path: Path, keys: str) -> str | None:
         f"{keys} = {str(path)!r}: the directory holds no tokenizer (neither "
         f"{' nor '.join(TOKENIZER_FILES)}); give the model's directory or its tokenizer's"
     )
+
+
+def _manifest_problem(path: Path) -> str | None:
+    """The input's SHA256SUMS is missing, unreadable, malformed or (a data file) does not list
+    it: what the preflight would say on every node, said once, without hashing anything."""
+    from rlinf_twoworker.errors import PreflightError
+    from rlinf_twoworker.storage.manifest import covering_manifest
+
+    try:
+        covering_manifest(path)
+    except PreflightError as exc:
+        return str(exc)
+    return None
+
+
+def _data_lines_problem(typed: Any, path: Path) -> str | None:
+    """A malformed line (file, line and column), unless data.skip_malformed_lines skips them."""
+    data = typed.data
+    if getattr(data, "skip_malformed_lines", False):
+        return None
+    from rlinf_twoworker.storage.data import data_file_problem
+
+    return data_file_problem(path, data.prompt_key, data.answer_key)
 
 
 def _data_problem(path: Path, keys: str) -> str | None:

@@ -42,7 +42,9 @@ class Sample:
 def _parse_line(line: str, prompt_key: str, answer_key: str, keep_row: bool = False) -> Sample:
     """One JSONL line as a Sample; raises ValueError with the problem in words."""
     try:
-        obj: Any = json.loads(line)
+        # Without its newline: a line cut short is reported at its own end, not at column 1
+        # of the line after it.
+        obj: Any = json.loads(line.rstrip("\r\n"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(obj, dict):
@@ -88,6 +90,23 @@ def _read_file(
             f"cannot read data file {path} ({exc}); check data.train_data_paths"
         ) from exc
     return samples, skipped
+
+
+def data_file_problem(path: Path, prompt_key: str, answer_key: str) -> str | None:
+    """The first malformed line of one data file, as the run's load would report it, or None:
+    every line parsed as the run parses it, nothing kept (the request's check, in seconds)."""
+    try:
+        with Path(path).open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    _parse_line(line, prompt_key, answer_key)
+                except ValueError as exc:
+                    return f"malformed line {path}:{lineno}: {exc}; fix it or {_SKIP_HINT}"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"cannot read data file {path} ({exc}); check data.train_data_paths"
+    return None
 
 
 def load_jsonl(

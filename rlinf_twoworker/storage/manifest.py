@@ -187,12 +187,18 @@ def verify_input(path: str | Path, cache_dir: Path | None = None) -> str:
     path = Path(path)
     if not path.exists():
         raise PreflightError(f"input {path} does not exist; check the path and the storage mount")
+    return verify_manifest(covering_manifest(path), cache_dir)
+
+
+def covering_manifest(path: Path) -> Path:
+    """The directory whose SHA256SUMS covers the existing input `path`, once that manifest
+    reads and, for a data file, lists it (no file hashed: the request's check uses this too).
+    Raises PreflightError naming the manifest and what to do."""
     directory = manifest_dir_for(path)
-    if path.is_file():
-        names = {str(Path(name)) for _, name in read_manifest(directory)}
-        if path.name not in names:
-            raise PreflightError(
-                f"input {path} is not listed in {directory / MANIFEST_NAME}; add its line "
-                f"(`sha256sum {path.name} >> {MANIFEST_NAME}`)"
-            )
-    return verify_manifest(directory, cache_dir)
+    names = {str(Path(name)) for _, name in read_manifest(directory)}
+    if path.is_file() and path.name not in names:
+        raise PreflightError(
+            f"input {path} is not listed in {directory / MANIFEST_NAME}; add its line "
+            f"(`sha256sum {path.name} >> {MANIFEST_NAME}`)"
+        )
+    return directory
