@@ -212,7 +212,11 @@ def ppo_loss(
     Metrics are sums over this part's tokens weighted by `metric_weights` (RLinf's per
     micro-batch token-means, averaged over micro-batches and ranks, so summing every part of
     a minibatch gives RLinf's value): policy_loss, ratio_mean, clip_fraction, dual_clip_fraction,
-    approx_kl (mean of old - logp, k1), entropy_loss, kl_loss; ratio_max is a max.
+    approx_kl (mean of old - logp, k1), entropy_loss, kl_loss; ratio_max is a max. RLinf's
+    further ones: policy_loss_abs (the aggregated |per-token loss|, the loss's weights),
+    ratio_abs (token-mean of |ratio - 1|), clipped_ratio (token-mean of the ratio clipped to
+    [1 - clip_low, 1 + clip_high]) and dual_clipped_ratio (token-mean of the ratio where the
+    dual clip bound the loss, 0 elsewhere: RLinf's `dual_cliped_ratio`, a ratio, not a share).
     """
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     valid = metric_weights > 0
@@ -241,6 +245,12 @@ def ppo_loss(
             "clip_fraction": (metric_weights * (unclipped < clipped)).sum(),
             "dual_clip_fraction": (metric_weights * dual).sum(),
             "approx_kl": -(metric_weights * log_ratio).sum(),
+            "policy_loss_abs": (weights * per_token.detach().abs()).sum(),
+            "ratio_abs": (metric_weights * (live_ratio - 1.0).abs()).sum(),
+            "clipped_ratio": (
+                metric_weights * live_ratio.clamp(1.0 - settings.clip_low, 1.0 + settings.clip_high)
+            ).sum(),
+            "dual_clipped_ratio": (metric_weights * torch.where(dual, live_ratio, 0.0)).sum(),
         }
     if entropy is not None:
         entropy_loss = (weights * entropy).sum()

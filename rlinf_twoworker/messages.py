@@ -3,7 +3,7 @@ must agree on."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: the reward's process never imports torch
@@ -83,6 +83,8 @@ class TrainStats:
     trained_tokens: float
     seconds: float
     optimizer_seconds: float
+    minibatches: list[dict[str, float]] = field(default_factory=list)
+    """Each minibatch's metrics, in training order (RLinf logs them one by one)."""
 
     @property
     def forward_backward_seconds(self) -> float:

@@ -18,6 +18,9 @@ class StepResult:
     """time.time() when the step completed."""
     startup: dict[str, float] = field(default_factory=dict)
     """The run's start-up phases in seconds (run/startup.py), on the run's first step only."""
+    minibatches: list[dict[str, float]] = field(default_factory=list)
+    """The actor's metrics of each minibatch, in training order, under the tags of `metrics`
+    (whose actor values are their means, maxes or sums): what RLinf logs one by one."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -187,6 +187,20 @@ def test_two_step_run_end_to_end(cluster_2x2, inputs, tmp_path):
         values = events.Scalars(tag)
         assert [v.step for v in values] == [1, 2], tag
         assert all(math.isfinite(v.value) for v in values), tag
+    # RLinf's layout beside them (storage/rlinf_scalars.py): step 1 only (RLinf never logs the
+    # last step), its time and rollout tags at x = 0, the actor's of minibatch i at x = i.
+    n_mb = typed.algorithm.n_minibatches
+    assert len(step1.minibatches) == n_mb
+    rlinf = EventAccumulator(str(run_dir / "tensorboard" / "rlinf"), size_guidance={"scalars": 0})
+    rlinf.Reload()
+    reward = rlinf.Scalars("rollout/reward_scores")
+    assert [e.step for e in reward] == [0]
+    assert reward[0].value == pytest.approx(step1.metrics["rollout/reward_scores"], abs=1e-6)
+    assert [e.step for e in rlinf.Scalars("time/actor/inference")] == [0]
+    ratios = rlinf.Scalars("actor/training/actor/ratio")
+    assert [e.step for e in ratios] == list(range(n_mb))
+    mean = sum(e.value for e in ratios) / n_mb
+    assert mean == pytest.approx(step1.metrics["actor/training/actor/ratio_mean"], rel=1e-5)
     assert wait_no_placement_groups() == []
 
     # The checkpoint loads in a fresh process with plain DCP, and training changed the weights.

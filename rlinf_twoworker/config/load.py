@@ -29,11 +29,15 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     register_rlinf_resolvers()
     cfg = OmegaConf.structured(GRPOConfig)
     given: set[str] = set()
+    rlinf_file = False
     if path is not None:
         cfg = merge_file(cfg, Path(path), given)
         apply_code_defaults(cfg, given)  # what RLinf's code reads for keys the file omits
+        rlinf_file = bool(cfg.defaults)  # Hydra's defaults list: a config RLinf composes
     for text in overrides:
         apply_override(cfg, text, given)
+    if cfg.runner.validate is None:  # decided here, so the run's record keeps the choice
+        cfg.runner.validate = not rlinf_file
     config_notes(cfg, to_typed(cfg))  # every __post_init__ rule, then RLinf's key rules
     return cfg
 
@@ -66,6 +70,14 @@ def config_notes(cfg: DictConfig, typed: GRPOConfig | None = None) -> list[str]:
             "actor.optim.lr and its floor each optimiser step, as in RLinf; set "
             "actor.optim.total_training_steps (runner.max_steps x algorithm.n_minibatches = "
             f"{typed.runner.max_steps * typed.algorithm.n_minibatches} here) for a decay"
+        )
+    runner = typed.runner
+    if runner.validate is False and typed.data.val_data_paths and runner.val_check_interval > 0:
+        notes.append(
+            "runner.validate=False: data.val_data_paths is not answered, as RLinf's reasoning "
+            "runner never validates (runner.val_check_interval only sets when it would); "
+            "runner.validate=true adds the library's validation (val/reward_scores, "
+            "val/correct_fraction)"
         )
     inference_tokenizer = typed.inference.tokenizer.tokenizer_model
     if inference_tokenizer and inference_tokenizer != typed.tokenizer_path:

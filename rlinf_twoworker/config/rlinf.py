@@ -127,8 +127,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "data.val_rollout_batch_size",
         (None,),
-        "RLinf then answers the whole validation set at once; set data.val_num_prompts to "
-        "the number of validation prompts instead",
+        "the batch of a validation RLinf's reasoning runner never runs; the library's own "
+        "(runner.validate) answers data.val_num_prompts prompts: set that instead",
     ),
     Rule("rollout.group_name", None, _NAME),
     Rule("rollout.model.model_type", None, "the architecture is read from config.json"),

@@ -180,7 +180,13 @@ class RunnerConfig:
     """Passes over the training data; an epoch is len(data) // data.rollout_batch_size steps
     (the last incomplete batch is dropped, as RLinf's loader does)."""
     val_check_interval: int = 1
-    """With data.val_data_paths: validate every N steps and at the last step; <= 0 never."""
+    """When the run validates (runner.validate): every N steps and at the last step; <= 0
+    never."""
+    validate: bool | None = None
+    """The library's validation (RLinf's reasoning runner never validates): true answers
+    data.val_data_paths' prompts on runner.val_check_interval's schedule, false never. None:
+    at load, false for an RLinf config file (one with Hydra's `defaults` list), true
+    otherwise (config.load.load_config)."""
     per_worker_log: bool = False
     """Also write one log file per component process: log/<component>-<rank>.log."""
     save_interval: int = 2
@@ -782,8 +788,9 @@ class DataConfig:
     )
     """JSONL files, one object a line, in the AReaL-boba format."""
     val_data_paths: list[str] = field(default_factory=list)
-    """Validation JSONL files; with runner.val_check_interval > 0 the policy answers
-    data.val_num_prompts of their prompts every that many steps and at the last step."""
+    """Validation JSONL files; with runner.val_check_interval > 0 (and runner.validate) the
+    policy answers data.val_num_prompts of their prompts every that many steps and at the
+    last step."""
     val_num_prompts: int | None = None
     """Validation prompts per validation (the same ones every time, drawn once with
     data.seed); None: data.rollout_batch_size."""
@@ -953,13 +960,14 @@ class GRPOConfig:
 
     def _check_validation(self) -> None:
         interval, save = self.runner.val_check_interval, self.runner.save_interval
-        if self.validates and save > 0:
+        # RLinf asserts it whatever runner.validate says (its runner never validates).
+        if self.data.val_data_paths and interval > 0 and save > 0:
             _require(
                 save % interval == 0,
                 "runner.save_interval",
                 save,
-                f"must be a multiple of runner.val_check_interval ({interval}) when the run "
-                "validates, as RLinf asserts",
+                f"must be a multiple of runner.val_check_interval ({interval}) when "
+                "data.val_data_paths is given, as RLinf asserts (runner.validate=false too)",
             )
 
     @cached_property
@@ -1002,8 +1010,13 @@ class GRPOConfig:
 
     @property
     def validates(self) -> bool:
-        """Whether the run answers validation prompts (val data given, interval > 0)."""
-        return bool(self.data.val_data_paths) and self.runner.val_check_interval > 0
+        """Whether the run answers validation prompts (runner.validate not false, val data
+        given, interval > 0)."""
+        return (
+            self.runner.validate is not False
+            and bool(self.data.val_data_paths)
+            and self.runner.val_check_interval > 0
+        )
 
     @property
     def max_new_tokens(self) -> int:

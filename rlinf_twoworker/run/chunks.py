@@ -178,7 +178,8 @@ def merge_train_stats(parts: list[TrainStats]) -> TrainStats:
     """One rank's step from its per-minibatch updates (one TrainStats each, in minibatch
     order), summed up as the actor's train_step sums up the minibatches of one call: means,
     the largest ratio, the first minibatch's log-prob difference, skipped steps added up, the
-    last lr; the same floats as one call over every minibatch."""
+    last lr, each minibatch's own metrics in order; the same floats as one call over every
+    minibatch."""
     first = parts[0].metrics
     metrics = {
         k: sum(p.metrics[k] for p in parts) / len(parts) for k in first if k not in _NOT_MEANS
@@ -197,4 +198,5 @@ def merge_train_stats(parts: list[TrainStats]) -> TrainStats:
         trained_tokens=sum(p.trained_tokens for p in parts),
         seconds=sum(p.seconds for p in parts),
         optimizer_seconds=sum(p.optimizer_seconds for p in parts),
+        minibatches=[m for p in parts for m in p.minibatches],
     )

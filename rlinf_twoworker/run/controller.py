@@ -55,6 +55,7 @@ from rlinf_twoworker.storage.data import (
     validation_samples,
 )
 from rlinf_twoworker.storage.metrics import MetricsWriter
+from rlinf_twoworker.storage.rlinf_scalars import RlinfLayout
 from rlinf_twoworker.storage.rollouts import write_rollouts
 
 TRAINING_MODULES = (
@@ -523,7 +524,8 @@ class RunController:
                     info = await self.io.call(ckpt.inherited_info, source, step)
                     self._checkpoint_future(step).set(info)
             self.steps_done = self.resume_step
-        writer = await self.io.call(MetricsWriter, cfg.log_dir)
+        layout = RlinfLayout.of(cfg, self.total_steps)  # RLinf's tags at its x, beside ours
+        writer = await self.io.call(MetricsWriter, cfg.log_dir, layout)
         try:
             for step in range(self.resume_step + 1, self.total_steps + 1):
                 self.current_step, self.phase = step, f"step {step}"
@@ -570,7 +572,8 @@ class RunController:
                 result.metrics.update(await lifecycle.memory_metrics(group, cfg))
                 self.last, self.last_step = {**result.metrics, **result.timings}, step
                 self.log.info(_step_line(step, self.total_steps, result))
-                await self.io.call(writer.write, step, self.last)  # after the line: both written
+                # After the line: both written.
+                await self.io.call(writer.write, step, self.last, result.minibatches)
                 ray_metrics.export_step(self.run_id, step, self.last)
                 self.steps_done = step
                 self._step_future(step).set(result)
@@ -595,7 +598,9 @@ class RunController:
         self.log.status("RLINF_PYTHON_EXIT_CODE=0")
 
     def _validates_at(self, step: int) -> bool:
-        """RLinf's rule: every runner.val_check_interval steps and at the last step."""
+        """The library's validation (runner.validate) on RLinf's schedule (check_progress's
+        run_val, which RLinf's reasoning runner computes and drops): every
+        runner.val_check_interval steps and at the last step."""
         interval = self.cfg.runner.val_check_interval
         return self.cfg.validates and (step % interval == 0 or step == self.total_steps)
 

@@ -186,6 +186,7 @@ async def run_step(
         metrics=_metrics(cfg, ran, synced),
         timings=_timings(ran, synced, step_s, marks.at),
         finished_at=time.time(),
+        minibatches=[_actor_metrics(m) for m in ran.trained[0].minibatches],
     )
     if on_answers is not None:
         await on_answers(answer_records(cfg, ran))
@@ -222,10 +223,12 @@ def _metrics(cfg: GRPOConfig, ran: Ran, synced: dict[str, float]) -> dict[str, f
     train_s = max(t.seconds for t in ran.trained)
     rewards = torch.cat([c.rewards for c in ran.chunks])
     masks = [r.batch.response_mask for r in rollouts]
+    prompts = torch.cat([r.batch.attention_mask[:, : r.batch.prompt_length] for r in rollouts])
     generated = sum(r.generated_tokens for r in rollouts)
     rollout_s = sum(r.seconds for r in rollouts)
     return {
         **_rollout_metrics(rewards, masks, ran.advantages),
+        **_length_metrics(prompts.sum(-1), masks, cfg.max_new_tokens),
         **_actor_metrics(ran.trained[0].metrics),
         "throughput/generated_tokens_per_s": generated / max(rollout_s, 1e-9),
         "throughput/trained_tokens_per_s": ran.trained[0].trained_tokens / max(train_s, 1e-9),
@@ -290,8 +293,8 @@ async def validate(
     rows: list[PromptRow] | None = None,
 ) -> dict[str, float]:
     """Answer the validation prompts with the current policy (group_size answers each, the
-    training sampling settings, as RLinf's evaluation does) and grade them, in one rollout
-    call."""
+    training sampling settings) and grade them, in one rollout call. The library's own
+    (runner.validate): RLinf's reasoning runner schedules no validation it acts on."""
     start = time.perf_counter()
     seed = cfg.actor.seed + step + VALIDATION_SEED_OFFSET
     rollout = await generate(group, cfg, prompts, seed, f"step {step} validation")
@@ -326,15 +329,37 @@ def _rollout_metrics(
     }
 
 
+def _length_metrics(
+    prompt_lengths: torch.Tensor, masks: list[torch.Tensor], max_new_tokens: int
+) -> dict[str, float]:
+    """RLinf's length metrics of the step's answers (its compute_rollout_metrics): prompt and
+    prompt + answer tokens (means), the answers' shortest and the variance of their lengths
+    (unbiased), and the share that ended before the token limit (RLinf's is_end: the engine
+    stopped on EOS, which it checks after the length limit)."""
+    lengths = torch.cat([m.sum(-1) for m in masks]).double()
+    prompts = prompt_lengths.double()
+    return {
+        "rollout/prompt_length": float(prompts.mean()),
+        "rollout/total_length": float((prompts + lengths).mean()),
+        "rollout/response_length_min": float(lengths.min()),
+        "rollout/response_length_variance": float(lengths.var()) if len(lengths) > 1 else 0.0,
+        "rollout/ended_fraction": float((lengths < max_new_tokens).double().mean()),
+    }
+
+
 _ACTOR_METRICS = (
     "final_loss",
     "policy_loss",
+    "policy_loss_abs",
     "grad_norm",
     "lr",
     "ratio_mean",
     "ratio_max",
+    "ratio_abs",
+    "clipped_ratio",
     "clip_fraction",
     "dual_clip_fraction",
+    "dual_clipped_ratio",
     "approx_kl",
     "entropy_loss",
     "kl_loss",
@@ -344,5 +369,6 @@ _ACTOR_METRICS = (
 
 
 def _actor_metrics(train: dict[str, float]) -> dict[str, float]:
-    """The actor's step metrics under RLinf's TensorBoard names (actor/training/actor/...)."""
+    """The actor's metrics under the library's TensorBoard tags (actor/training/actor/...;
+    storage/rlinf_scalars.py gives RLinf's)."""
     return {f"actor/training/actor/{k}": float(train[k]) for k in _ACTOR_METRICS if k in train}

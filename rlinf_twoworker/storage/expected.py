@@ -24,7 +24,7 @@ REQUIRED_SCALARS = (
     "actor/training/actor/lr",
 )
 VALIDATION_SCALARS = ("val/reward_scores", "val/correct_fraction")
-"""Also required when the run validates (data.val_data_paths and runner.val_check_interval > 0)."""
+"""Also required when the run validates (GRPOConfig.validates)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,11 +87,8 @@ def expected_from_config(
     the request gave it (default: cfg's); `last_step` is the step the run ends at (default
     runner.max_steps; lower when runner.max_epochs ends it first). The checkpoint is the last
     scheduled one, none when runner.save_interval < 0; validation adds its scalars when the run
-    validates (data.val_data_paths and runner.val_check_interval > 0)."""
+    validates (runner.validate not false, data.val_data_paths, runner.val_check_interval > 0)."""
     last = cfg.runner.max_steps if last_step is None else last_step
-    validates = bool(getattr(cfg.data, "val_data_paths", None) or []) and (
-        (getattr(cfg.runner, "val_check_interval", 0) or 0) > 0
-    )
     return Expected(
         run_id=cfg.runner.experiment_name,
         output_root=Path(cfg.runner.output_dir).resolve(),
@@ -100,7 +97,7 @@ def expected_from_config(
         checkpoint_step=_last_checkpoint_step(cfg, last),
         max_steps=cfg.runner.max_steps,
         placement=dict(cfg.cluster.component_placement if placement is None else placement),
-        required_tags=REQUIRED_SCALARS + (VALIDATION_SCALARS if validates else ()),
+        required_tags=REQUIRED_SCALARS + (VALIDATION_SCALARS if cfg.validates else ()),
     )
 
 

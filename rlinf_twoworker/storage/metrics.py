@@ -1,28 +1,48 @@
-"""TensorBoard scalars of a run, written once per step by the controller (the last included)."""
+"""TensorBoard scalars of a run, written once per step by the controller (the last included),
+and RLinf's layout of them beside (storage/rlinf_scalars.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from rlinf_twoworker.storage.rlinf_scalars import RlinfLayout
 from rlinf_twoworker.storage.rundir import CONFIG_YAML, TENSORBOARD_DIR
 
 
 class MetricsWriter:
-    """Writes `<run dir>/tensorboard/events.out.tfevents.*`; flushes after every step."""
+    """Writes `<log dir>/tensorboard/events.out.tfevents.*` (the library's tags, x = step) and,
+    given `rlinf`, RLinf's tags at RLinf's x in `rlinf.directory`; flushes after every step."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, log_dir: Path, rlinf: RlinfLayout | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
+        self.writer = SummaryWriter(log_dir=str(Path(log_dir) / TENSORBOARD_DIR))
+        self.rlinf = rlinf
+        self.rlinf_writer = None if rlinf is None else SummaryWriter(str(rlinf.directory))
 
-    def write(self, step: int, scalars: dict[str, float]) -> None:
+    def write(
+        self,
+        step: int,
+        scalars: dict[str, float],
+        minibatches: list[dict[str, float]] | None = None,
+    ) -> None:
+        """The step's scalars (the library's tags); `minibatches`: the actor's metrics of each
+        minibatch, for RLinf's layout."""
         # NaN and inf are written as they are: hiding them would let the postflight pass.
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, float(value), global_step=step)
         self.writer.flush()
+        if self.rlinf is None or self.rlinf_writer is None:
+            return
+        for x, row in self.rlinf.scalars(step, scalars, minibatches or []).items():
+            for tag, value in row.items():
+                self.rlinf_writer.add_scalar(tag, float(value), global_step=x)
+        self.rlinf_writer.flush()
 
     def close(self) -> None:
         self.writer.close()
+        if self.rlinf_writer is not None:
+            self.rlinf_writer.close()
 
 
 def tensorboard_dir(run_dir: str | Path) -> Path:
@@ -40,9 +60,10 @@ def tensorboard_dir(run_dir: str | Path) -> Path:
 
 
 def event_files(run_dir: str | Path) -> list[Path]:
-    """The run's TensorBoard event files, in name order."""
+    """The run's TensorBoard event files of the library's scalars, in name order: those in
+    tensorboard/ itself (its subdirectories hold RLinf's layout, whose x is not the step)."""
     directory = tensorboard_dir(run_dir)
-    return sorted(p for p in directory.rglob("events.out.tfevents.*") if p.is_file())
+    return sorted(p for p in directory.glob("events.out.tfevents.*") if p.is_file())
 
 
 def read_scalars(files: list[Path]) -> dict[str, dict[int, float]]:

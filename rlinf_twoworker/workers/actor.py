@@ -370,6 +370,7 @@ class ActorWorker(Worker):
             trained_tokens=sum(r["tokens"] for r in results),
             seconds=time.perf_counter() - start,
             optimizer_seconds=sum(r["optimizer_seconds"] for r in results),
+            minibatches=results,  # each minibatch as it was, for RLinf's per-minibatch log
         )
 
     def _sync_device(self) -> None:
