@@ -549,6 +549,8 @@ def test_ctrl_c_on_the_cli_driver_cancels_the_run_and_frees_the_cluster(
     text = log.read_text()
     assert code == 130, text[-3000:]
     assert "STARTUP_EXIT_CODE=130" in text
+    # The cancellation is what was asked for: no traceback, no "Unhandled error" from Ray.
+    assert "Traceback" not in text and "Unhandled error" not in text, text[-3000:]
     assert json.loads((out / run_id / "failure.json").read_text())["state"] == "cancelled"
     assert_released(run_id, timeout=30, driver_gone=True)
 

@@ -221,6 +221,21 @@ class RunHandle:
         """Stop the run: pending futures raise RunCancelledError; actors and the placement
         group are released."""
         ray.get(self._controller.cancel.remote(), timeout=timeout)
+        self._read_outcomes(timeout)
+
+    def _read_outcomes(self, timeout: float) -> None:
+        """Read the futures this handle made (they now hold RunCancelledError), so that Ray
+        does not print each as an "Unhandled error" traceback when it is dropped: the caller
+        cancelled, the error is expected. A caller's own ray.get still raises it."""
+        refs = [ref for ref in (self._result_ref, *self._refs.values()) if ref is not None]
+        if not refs:
+            return
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 (RunCancelledError, or the run's own failure)
+                pass
 
     def follow(
         self, emit: Callable[[str], None] = print, poll_s: float = 0.5, timeout: float | None = None
