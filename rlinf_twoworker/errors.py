@@ -10,12 +10,12 @@ class TwoWorkerError(RuntimeError):
 class ConfigError(TwoWorkerError, ValueError):
     """A config key has a value that breaks a rule (raised at load, before anything is created)."""
 
-    def __init__(self, key: str, value: object, rule: str) -> None:
-        self.key, self.value, self.rule = key, value, rule
-        super().__init__(f"config key '{key}' = {value!r}: {rule}")
+    def __init__(self, key: str, value: object, rule: str, message: str | None = None) -> None:
+        self.key, self.value, self.rule, self.message = key, value, rule, message
+        super().__init__(message or f"config key '{key}' = {value!r}: {rule}")
 
     def __reduce__(self) -> tuple:  # errors cross process boundaries through Ray
-        return (type(self), (self.key, self.value, self.rule))
+        return (type(self), (self.key, self.value, self.rule, self.message))
 
 
 class RunDirError(TwoWorkerError):

@@ -211,6 +211,31 @@ def test_every_command_takes_one_minimum_step_count(tmp_path, argv):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--run-id", "../x"], "RequestError: --run-id '../x' is invalid: it must match"),
+        (["--run-id", "taken"], "choose a new run id (RUN_ID of `rlinf-twoworker run`, --run-id"),
+        (["runner.max_steps"], "override 'runner.max_steps' has no '=' (give runner.max_steps="),
+        (
+            ["runner.max_steps=abc"],
+            "could not be converted to Integer; give a value of the key's type, like its "
+            "default: runner.max_steps=2",
+        ),
+    ],
+)
+def test_demo_errors_name_what_the_user_typed(tmp_path, argv, expected):
+    (tmp_path / "demo-runs" / "taken").mkdir(parents=True)
+    before = snapshot(tmp_path)
+    done = subprocess.run(
+        [*CLI, "demo", *argv], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("RLINF_ERROR=")]
+    assert len(errors) == 1 and expected in errors[0], done.stderr
+    assert snapshot(tmp_path) == before
+
+
 def test_request_check_lists_every_problem_in_the_tutorials_order(config_file, tmp_path):
     """A reused RUN_ID, a model path that is not there and an empty data file: one error
     naming all three, RUN_ID first, so one attempt shows everything to fix."""

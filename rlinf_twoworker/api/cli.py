@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlinf_twoworker.api.report import DriverConsole as Console
 from rlinf_twoworker.api.request import RequestError, resolve_request
-from rlinf_twoworker.config import to_typed
+from rlinf_twoworker.config import run_id_problem, to_typed
 from rlinf_twoworker.errors import (
     ClusterError,
     ConfigError,
@@ -113,6 +113,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console = Console()
     output_root = Path(args.output_root).resolve()
     run_id = args.run_id or time.strftime("demo-%Y%m%d-%H%M%S")
+    if (problem := run_id_problem(run_id)) is not None:
+        console.error(f"RequestError: --run-id {run_id!r} is invalid: it {problem}")
+        return console.final(INVALID)
     overrides = [f"runner.max_steps={args.steps}", *args.overrides]
     root = output_root / f".inputs-{run_id}"
     planned = DemoInputs(root, root / "model", root / "data" / DATA_NAME)

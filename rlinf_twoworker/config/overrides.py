@@ -90,9 +90,9 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     key, sep, raw = body.partition("=")
     key = key.strip()
     if not key or (not sep and kind != "~"):
-        raise ConfigError(
-            text, text, "an override must look like key=value, +key=value, ++key=value or ~key"
-        )
+        rule = "an override must look like key=value, +key=value, ++key=value or ~key"
+        what = f"has no '=' (give {key}=<value>)" if key else "names no key"
+        raise ConfigError(text, text, rule, f"override {text!r} {what}: {rule}")
     if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
         raise ConfigError(key, text, "an override key is dot-separated identifiers")
     if sep and not raw.strip():
@@ -124,7 +124,11 @@ def apply_override(cfg: DictConfig, text: str, given: set[str] | None = None) ->
         with open_dict(cfg) if not exists else contextlib.nullcontext():
             OmegaConf.update(cfg, key, value, merge=False)
     except OmegaConfBaseException as exc:
-        raise ConfigError(key, value, omegaconf_reason(exc)) from exc
+        reason = omegaconf_reason(exc)
+        if "could not be converted" in reason and exists:
+            default = OmegaConf.select(cfg, key)
+            reason += f"; give a value of the key's type, like its default: {key}={default}"
+        raise ConfigError(key, value, reason) from exc
     given.add(key)
 
 

@@ -86,7 +86,8 @@ def _exists(run_dir: Path) -> RunDirExistsError:
         "runner.experiment_name",
         run_dir.name,
         f"run directory {run_dir} already exists; runs are never reused or overwritten: "
-        "choose a new RUN_ID",
+        "choose a new run id (RUN_ID of `rlinf-twoworker run`, --run-id of `demo`, "
+        "runner.experiment_name in a config)",
     )
 
 
