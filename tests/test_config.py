@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -819,3 +821,27 @@ def test_rlinfs_yaml_as_it_ships_loads_without_repo_path(monkeypatch: pytest.Mon
     assert (
         to_typed(load_config(SHIPPED_YAML, ["cluster.num_gpus_per_node=4"])).cluster.num_nodes == 1
     )
+
+
+def test_rlinfs_yaml_loads_in_a_fresh_process_with_no_warning():
+    """Warnings as errors, in a process where the resolvers are not registered yet: the
+    import and the load of RLinf's file (its nested `${subtract:${...}, ${...}}`) warn about
+    nothing, and max_new_tokens comes out as RLinf computes it."""
+    if not SHIPPED_YAML.is_file():
+        pytest.skip(f"RLinf's reference YAML is not here ({SHIPPED_YAML}): ../shared is absent")
+    script = (
+        "import sys\n"
+        "from rlinf_twoworker.config import load_config, to_typed\n"
+        "cfg = load_config(sys.argv[1], ['cluster.num_gpus_per_node=4'])\n"
+        "print(cfg.algorithm.sampling_params.max_new_tokens, cfg.runner.seq_length,"
+        " cfg.data.max_prompt_length)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", script, str(SHIPPED_YAML)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    new_tokens, seq, prompt = map(int, done.stdout.split())
+    assert new_tokens == seq - prompt

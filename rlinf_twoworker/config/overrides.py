@@ -22,7 +22,11 @@ from rlinf_twoworker.errors import ConfigError
 
 
 def register_rlinf_resolvers() -> None:
-    # RLinf's YAML files use these resolvers (max_new_tokens, return_logprobs).
+    """RLinf's YAML files use these resolvers (max_new_tokens, return_logprobs). OmegaConf
+    2.4's `register_resolver` passes resolved, typed arguments and takes nested interpolations
+    (`${subtract:${runner.seq_length}, ${data.max_prompt_length}}`) without a warning. (2.3's
+    grammar needs antlr4 4.9, which cannot sit beside the 4.11 of sympy's LaTeX parser that
+    RLinf's grader uses: setup.cfg asks for omegaconf >= 2.4.)"""
     if not OmegaConf.has_resolver("subtract"):
         OmegaConf.register_resolver("subtract", lambda a, b: a - b)
     if not OmegaConf.has_resolver("not"):
