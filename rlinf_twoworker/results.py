@@ -16,14 +16,31 @@ class StepResult:
     timings: dict[str, float]
     finished_at: float = 0.0
     """time.time() when the step completed."""
-    startup: dict[str, float] = field(default_factory=dict)
+    startup: dict[str, float] = field(default_factory=dict, repr=False)
     """The run's start-up phases in seconds (run/startup.py), on the run's first step only."""
-    minibatches: list[dict[str, float]] = field(default_factory=list)
+    minibatches: list[dict[str, float]] = field(default_factory=list, repr=False)
     """The actor's metrics of each minibatch, in training order, under the tags of `metrics`
     (whose actor values are their means, maxes or sums): what RLinf logs one by one."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def __repr__(self) -> str:
+        """A line a person reads: the step, its reward, loss and seconds, and how much more
+        the fields hold (`metrics`, `timings`, `startup`, `minibatches`; to_dict() has all)."""
+        shown = [f"step={self.step}"]
+        for name, key in (
+            ("reward", "rollout/reward_scores"),
+            ("loss", "actor/training/actor/final_loss"),
+        ):
+            if key in self.metrics:
+                shown.append(f"{name}={self.metrics[key]:.4g}")
+        if "time/step" in self.timings:
+            shown.append(f"time={self.timings['time/step']:.2f}s")
+        shown.append(f"{len(self.metrics)} metrics, {len(self.timings)} timings")
+        if self.startup:
+            shown.append(f"{len(self.startup)} start-up phases")
+        return f"StepResult({', '.join(shown)})"
 
 
 @dataclass

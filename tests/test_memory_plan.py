@@ -250,7 +250,7 @@ def test_a_run_whose_plan_does_not_fit_fails_before_any_model_loads(cluster_2x2,
     main_log = (run_dir / "log" / "main.log").read_text()
     assert "MEMORY_PLAN" in main_log and "DOES NOT FIT" in main_log
     assert (run_dir / "preflight.json").exists()  # the preflight ran; nothing after it did
-    startup = handle.status()["startup"]
+    startup = handle.startup()
     assert startup["component_start"] > 0  # every process had started and answered
     assert "components" not in startup and not [k for k in startup if k.startswith("load/")]
     assert "STARTUP component_start" in main_log and "STARTUP components " not in main_log

@@ -673,7 +673,7 @@ def test_status_and_cancel_answer_at_once_during_a_slow_preflight(cluster_2x2, i
     session 17)."""
     cfg = demo_config(inputs, tmp_path, "slow-preflight", [])
     handle = run_grpo_two_worker(cfg, component_classes={"probe": SlowProbe})
-    wait_until(lambda: "component_start" in handle.status()["startup"], 60, "component start")
+    wait_until(lambda: "component_start" in handle.startup(), 60, "component start")
     _answers_fast(handle, "preflight")
     started = time.monotonic()
     handle.cancel()
@@ -699,10 +699,10 @@ def test_components_start_beside_the_preflight_and_a_failed_one_releases_them(
     failed preflight leaves no process and no placement group behind."""
     cfg = demo_config(inputs, tmp_path, "beside", [])
     handle = run_grpo_two_worker(cfg, component_classes={"probe": SlowFailingProbe})
-    wait_until(lambda: "component_start" in handle.status()["startup"], 120, "component start")
+    wait_until(lambda: "component_start" in handle.startup(), 120, "component start")
     status = handle.status()  # the probes' run() began after it and sleeps 8 s first
     assert status["phase"] == "preflight", status
-    assert not [k for k in status["startup"] if k.startswith(("load/", "components"))]
+    assert not [k for k in handle.startup() if k.startswith(("load/", "components"))]
     names = run_actors("beside")
     assert sorted(n.split(":", 1)[1] for n in names if ":controller:" not in n) == [
         "actor:0",

@@ -394,8 +394,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _plain_ray_output() -> None:
+    """The commands' output is read as a log (driver.log, a platform's job log): Ray's colour
+    codes only on a terminal, and no deduplication of the components' lines, whose summary Ray
+    prints when it disconnects, after STARTUP_EXIT_CODE, the last line. The user's own
+    RAY_COLOR_PREFIX and RAY_DEDUP_LOGS win; read when Ray is first imported, which is later."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if not sys.stdout.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _plain_ray_output()
     return int(args.func(args))
 
 

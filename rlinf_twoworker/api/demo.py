@@ -271,8 +271,11 @@ def _write_model(directory: Path, seed: int, size: ModelSize, digits: str) -> No
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    from rlinf_twoworker.engines.models import quiet_progress
+
+    with quiet_progress():
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
     for path in directory.iterdir():  # transformers writes the weights 0600; other nodes read them
         path.chmod(0o644)
     write_manifest(directory)

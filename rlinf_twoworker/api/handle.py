@@ -135,6 +135,11 @@ class RunHandle:
         elapsed_s."""
         return ray.get(self._controller.status.remote(), timeout=30)
 
+    def startup(self) -> dict[str, float]:
+        """The run's start-up phases so far, in seconds (run/startup.py: placement, preflight,
+        each process's start, load and warm-up, ...): kept out of status(), which stays small."""
+        return ray.get(self._controller.startup.remote(), timeout=30)
+
     def __repr__(self) -> str:
         try:
             status = self.status()

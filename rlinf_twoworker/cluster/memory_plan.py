@@ -100,20 +100,21 @@ class MemoryPlan:
     def lines(self) -> list[str]:
         out = []
         for gpu in self.gpus:
-            budget = (
-                "no budget known"
-                if gpu.budget is None
-                else f"of {gpu.budget / GIB:.1f} GiB ({gpu.budget_source})"
-            )
-            verdict = "fits" if gpu.fits else "DOES NOT FIT"
+            if gpu.budget is None:  # CPUs, or no free memory reported: nothing to hold it to
+                budget, verdict = "planned", "no GPU budget known, so nothing is checked"
+            else:
+                budget = f"of {gpu.budget / GIB:.1f} GiB ({gpu.budget_source})"
+                verdict = "fits" if gpu.fits else "DOES NOT FIT"
             phases = ""
             if any(p.idle is not None for p in gpu.processes):
                 phases = (
                     f" (update {gpu.phase(True) / GIB:.1f}, other stages "
                     f"{gpu.phase(False) / GIB:.1f}: memory given back between them)"
                 )
+            unit, scale = ("GiB", GIB) if gpu.total >= GIB // 100 else ("MiB", 1024**2)
             out.append(
-                f"MEMORY_PLAN {gpu.where()}: {gpu.total / GIB:.1f} GiB{phases} {budget}: {verdict}"
+                f"MEMORY_PLAN {gpu.where()}: {gpu.total / scale:.1f} {unit}{phases} {budget}: "
+                f"{verdict}"
             )
             out += [f"MEMORY_PLAN   {p.line()}" for p in gpu.processes]
         return out

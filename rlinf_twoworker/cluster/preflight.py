@@ -150,8 +150,24 @@ def _write_report(output_dir: Path, record: str) -> None:
     atomic_write_text(output_dir / PREFLIGHT_JSON, record)
 
 
+def resources_line(resources: dict[str, float]) -> str:
+    """The cluster's resources as a person reads them: CPU, GPU and other resources by count,
+    memory and object store in GiB; what Ray derives from others (placement groups' bundle
+    resources, `node:<ip>` markers) left out. preflight.json keeps the whole map."""
+    derived = ("node:", "bundle_group_")
+    kept = {k: v for k, v in resources.items() if not k.startswith(derived) and "_group_" not in k}
+    shown = []
+    for key in sorted(kept, key=lambda k: (k not in ("CPU", "GPU"), k)):
+        value = kept[key]
+        if key in ("memory", "object_store_memory"):
+            shown.append(f"{key}={value / 1024**3:.1f}GiB")
+        else:
+            shown.append(f"{key}={value:g}")
+    return " ".join(shown)
+
+
 def _status_lines(report: PreflightReport, head_ids: set[str], log: Callable) -> None:
-    log(f"RAY_CLUSTER_RESOURCES={json.dumps(report.cluster_resources, sort_keys=True)}")
+    log(f"RAY_CLUSTER_RESOURCES={resources_line(report.cluster_resources)}")
     for n in report.nodes:
         role = "Ray Head" if n["ray_node_id"] in head_ids else "Ray Worker"
         gpu = ",".join(dict.fromkeys(n.get("gpu_names") or [])) or "none"

@@ -6,9 +6,10 @@ configured directory, with no hub access: a wrong path fails here with a clear m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -100,6 +101,22 @@ def preimport_model(path: str | Path, modules: tuple[str, ...] = ()) -> list[str
     return missing
 
 
+@contextlib.contextmanager
+def quiet_progress() -> Iterator[None]:
+    """transformers' progress bars off inside ("Loading weights", "Writing model shards"):
+    redrawn bars are noise in log files and in output that is not a terminal, and a load or a
+    save takes seconds. The caller's setting comes back after."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -> Any:
     """AutoModelForCausalLM from a local directory, with an error that says what is wrong.
     Typed Any: a transformers model's submodules (`.model.layers`, `.lm_head`) and config are
@@ -121,9 +138,10 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype, device: torch.device) -
     # no full copy in host memory, no random initialisation of weights that are overwritten.
     placement = {"device_map": {"": device}} if device.type == "cuda" else {}
     try:
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype, attn_implementation="sdpa", **placement
-        )
+        with quiet_progress():
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=dtype, attn_implementation="sdpa", **placement
+            )
     except ValueError as exc:
         raise TwoWorkerError(f"model in {path} cannot be loaded as a causal LM: {exc}") from exc
     return model.to(device)

@@ -252,9 +252,12 @@ class RunController:
             "metrics": dict(self.last),
             "error": None if self.error is None else str(self.error),
             "elapsed_s": time.time() - self.started_at,
-            "startup": dict(self.clock.seconds),
             "controller_pid": os.getpid(),
         }
+
+    def startup(self) -> dict[str, float]:
+        """The start-up phases' seconds so far (run/startup.py), one entry a phase and process."""
+        return dict(self.clock.seconds)
 
     async def cancel(self) -> bool:
         if self.task is not None and not self.task.done():
