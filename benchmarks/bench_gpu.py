@@ -200,6 +200,7 @@ def fsdp_model(model_dir: Path, activation_checkpointing: bool, compiled: bool) 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from rlinf_twoworker.config import MixedPrecision
     from rlinf_twoworker.engines.models import load_causal_lm
     from rlinf_twoworker.workers.actor import prepare_for_training
 
@@ -211,7 +212,7 @@ def fsdp_model(model_dir: Path, activation_checkpointing: bool, compiled: bool) 
     return prepare_for_training(
         model,
         init_device_mesh("cuda", (1,)),
-        mixed_precision=True,
+        precision=MixedPrecision(),  # the library's default: bf16 compute, fp32 reduction
         activation_checkpointing=activation_checkpointing,
         compiled=compiled,
     )

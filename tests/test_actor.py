@@ -72,7 +72,7 @@ def test_compiled_layers_give_the_eager_logprobs_and_gradients(world):
         model = prepare_for_training(
             model,
             mesh,
-            mixed_precision=False,
+            precision=None,
             activation_checkpointing=compiled,
             compiled=compiled,
         )

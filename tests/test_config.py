@@ -236,7 +236,7 @@ actor:
       param_dtype: "fp16"
       reduce_dtype: "fp16"
     amp_autocast:
-      enabled: True
+      enabled: False
       precision: "fp16"
 
 reward:
@@ -597,9 +597,12 @@ def test_keys_a_file_omits_take_rlinfs_in_code_defaults(rlinf_yaml: Path, tmp_pa
         "  seed: 1\n",
         "    adam_eps: 1.0e-05\n",
         "    weight_decay: 0.05\n",
+        '      param_dtype: "fp16"\n',
+        '      reduce_dtype: "fp16"\n',
     ):
         assert text.count(line) == 1, line
         text = text.replace(line, "")
+    text = text.replace("    mixed_precision:\n", "    mixed_precision: {}\n")  # the section stays
     path = tmp_path / "omits.yaml"
     path.write_text(text)
     four = ["cluster.num_gpus_per_node=4"]  # the file's own placement on one node
@@ -617,6 +620,9 @@ def test_keys_a_file_omits_take_rlinfs_in_code_defaults(rlinf_yaml: Path, tmp_pa
         "actor.optim.adam_eps": 1e-5,
         "actor.optim.weight_decay": 0.05,
         "actor.fsdp_config.save_full_model_weights": True,
+        "actor.fsdp_config.mixed_precision.param_dtype": "fp16",
+        "actor.fsdp_config.mixed_precision.reduce_dtype": "fp16",
+        "actor.fsdp_config.mixed_precision.buffer_dtype": None,  # not in the abridged file
     }
     # overrides still win, the tutorial's '+' key included
     over = load_config(

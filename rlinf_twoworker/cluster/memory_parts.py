@@ -196,10 +196,14 @@ def micro_batch_tokens(
 
 def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool) -> dict[str, int]:
     """One FSDP actor rank: its shard of the master weights, gradients and Adam's two moments,
-    the layers gathered for compute, one micro-batch's activations and logits."""
+    the layers gathered for compute, one micro-batch's activations and logits. The layers are
+    gathered and computed in mixed_precision.param_dtype (the master weights' dtype when null);
+    the gradient shards keep the master weights' dtype (FSDP2 casts the reduced gradients back
+    to it, whatever reduce_dtype); the loss scaler's state is a few scalars."""
     gpu = cfg.cluster.accelerator == "cuda"
     master = BYTES[cfg.actor.model.precision] if gpu else 4
-    compute = 2 if gpu and cfg.actor.mixed_precision else master
+    param_dtype = cfg.actor.fsdp_config.mixed_precision.param_dtype
+    compute = BYTES[param_dtype] if gpu and param_dtype else master
     tokens = micro_batch_tokens(cfg, ranks, training=True)
     a, b = ACTIVATIONS_COMPILED if gpu and cfg.actor.compile else ACTIVATIONS_EAGER
     per_layer = compute * (a * shape.hidden + b * shape.intermediate)
@@ -210,7 +214,7 @@ def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool)
     shard = -(-shape.params // ranks)
     return {
         "weights": shard * master,
-        "gradients": shard * 4 if gpu and cfg.actor.mixed_precision else shard * master,
+        "gradients": shard * master,
         "optimizer": shard * 2 * 4,  # Adam's moments in float32
         "gathered": (shape.embedding_params + 2 * shape.layer_params) * compute,
         "activations": activations,

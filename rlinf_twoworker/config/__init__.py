@@ -4,6 +4,13 @@ loading (load.py). Converted to the dataclasses once, at the edge; the rest of t
 passes the typed `GRPOConfig` on."""
 
 from rlinf_twoworker.config.load import config_notes, load_config, to_typed, to_yaml
+from rlinf_twoworker.config.precision import (
+    AmpAutocast,
+    GradScalerConfig,
+    MixedPrecision,
+    actor_compute,
+    precision_warning,
+)
 from rlinf_twoworker.config.schema import (
     KL_KINDS,
     LOSS_AGGREGATIONS,
@@ -39,6 +46,7 @@ __all__ = [
     "PRECISIONS",
     "RUN_ID_PATTERN",
     "ActorConfig",
+    "AmpAutocast",
     "ActorModelConfig",
     "AlgorithmConfig",
     "ClusterConfig",
@@ -46,8 +54,10 @@ __all__ = [
     "DataConfig",
     "DownSampling",
     "GRPOConfig",
+    "GradScalerConfig",
     "InferenceConfig",
     "LrSchedConfig",
+    "MixedPrecision",
     "ModelConfig",
     "OptimConfig",
     "PreflightConfig",
@@ -57,8 +67,10 @@ __all__ = [
     "SamplingParams",
     "Timeouts",
     "TokenizerConfig",
+    "actor_compute",
     "config_notes",
     "load_config",
+    "precision_warning",
     "run_id_problem",
     "to_typed",
     "to_yaml",

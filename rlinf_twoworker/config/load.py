@@ -15,6 +15,7 @@ from rlinf_twoworker.config.overrides import (
     omegaconf_reason,
     register_rlinf_resolvers,
 )
+from rlinf_twoworker.config.precision import precision_notes
 from rlinf_twoworker.config.rlinf import apply_code_defaults, check_rules
 from rlinf_twoworker.config.schema import GRPOConfig
 from rlinf_twoworker.errors import ConfigError
@@ -79,6 +80,7 @@ def config_notes(cfg: DictConfig, typed: GRPOConfig | None = None) -> list[str]:
             "runner.validate=true adds the library's validation (val/reward_scores, "
             "val/correct_fraction)"
         )
+    notes.extend(precision_notes(typed))
     inference_tokenizer = typed.inference.tokenizer.tokenizer_model
     if inference_tokenizer and inference_tokenizer != typed.tokenizer_path:
         notes.append(

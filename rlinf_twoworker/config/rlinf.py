@@ -8,10 +8,11 @@ user gave it) and has exactly one rule here:
 - `Rule(key, allowed, why)`: only these values ask for what the library does; another value is
   refused with a ConfigError naming the key, the value and `why` (what to do instead).
 
-Keys with behaviour of their own are implemented where they act: hydra.run.dir and
-hydra.output_subdir (where the Hydra record is also written, rundir.py), runner.logger.log_path
-(where tensorboard/ goes), inference.tokenizer.tokenizer_model (noted when it differs from the
-actor's: inference reads token ids only).
+Keys with behaviour of their own are implemented where they act: the actor's precision
+(actor.fsdp_config.mixed_precision, grad_scaler, amp_autocast: config/precision.py),
+hydra.run.dir and hydra.output_subdir (where the Hydra record is also written, rundir.py),
+runner.logger.log_path (where tensorboard/ goes), inference.tokenizer.tokenizer_model (noted
+when it differs from the actor's: inference reads token ids only).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from omegaconf import Container, DictConfig, OmegaConf
 
+from rlinf_twoworker.config.precision import AmpAutocast, GradScalerConfig, MixedPrecision
 from rlinf_twoworker.errors import ConfigError
 
 _ENGINE = (
@@ -208,14 +210,6 @@ RULES: tuple[Rule, ...] = (
     Rule("actor.fsdp_config.backward_prefetch", None, "a speed knob; same result"),
     Rule("actor.fsdp_config.use_orig_params", None, "an FSDP1 knob; FSDP2 keeps the parameters"),
     Rule("actor.fsdp_config.use_liger_kernel", None, "a kernel choice; same result"),
-    Rule(
-        "actor.fsdp_config.mixed_precision",
-        None,
-        "the actor's GPU precision is actor.mixed_precision (bf16 compute, fp32 gradient "
-        "reduction); fp16 with loss scaling is not offered",
-    ),
-    Rule("actor.fsdp_config.amp_autocast", None, "see actor.fsdp_config.mixed_precision"),
-    Rule("actor.fsdp_config.grad_scaler", None, "loss scaling is for fp16; bf16 needs none"),
     Rule("reward.group_name", None, _NAME),
     Rule("reward.use_reward_model", (False,), "rewards are graded by reward.grader; set false"),
     Rule("reward.tokenizer", None, "answers are decoded with actor.tokenizer.tokenizer_model"),
@@ -290,8 +284,9 @@ class EngineSettings:
 
 @dataclass(kw_only=True)
 class FsdpConfig:
-    """RLinf's actor.fsdp_config. gradient_checkpointing and save_full_model_weights act;
-    every other key has its rule in config.rlinf.RULES."""
+    """RLinf's actor.fsdp_config. gradient_checkpointing, save_full_model_weights and the
+    precision keys (mixed_precision, amp_autocast, grad_scaler: config.precision) act; every
+    other key has its rule in config.rlinf.RULES."""
 
     strategy: str = "fsdp"
     sharding_strategy: str = "full_shard"
@@ -306,9 +301,11 @@ class FsdpConfig:
     backward_prefetch: str | None = None
     use_orig_params: bool = False
     use_liger_kernel: bool = False
-    mixed_precision: dict[str, Any] = field(default_factory=dict)
-    amp_autocast: dict[str, Any] = field(default_factory=dict)
-    grad_scaler: dict[str, Any] = field(default_factory=dict)
+    mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
+    """The actor's compute and gradient-reduction dtypes (config.precision)."""
+    amp_autocast: AmpAutocast = field(default_factory=AmpAutocast)
+    grad_scaler: GradScalerConfig = field(default_factory=GradScalerConfig)
+    """Dynamic loss scaling (config.precision)."""
     save_full_model_weights: bool = False
     """Also write each checkpoint's full weights to actor/model_state_dict/full_weights.pt
     (RLinf's file). RLinf's default is true; the tutorial (and this library) turns it off."""
@@ -354,6 +351,9 @@ CODE_DEFAULTS: tuple[CodeDefault, ...] = (
     CodeDefault("data.seed", 1, "runners/reasoning_runner.py:168"),
     CodeDefault("actor.optim.adam_eps", 1e-8, "hybrid_engines/fsdp/fsdp_model_manager.py:517"),
     CodeDefault("actor.optim.weight_decay", 1e-2, "hybrid_engines/fsdp/fsdp_model_manager.py:518"),
+    CodeDefault("actor.fsdp_config.mixed_precision.param_dtype", None, "config.py:554"),
+    CodeDefault("actor.fsdp_config.mixed_precision.reduce_dtype", None, "config.py:557"),
+    CodeDefault("actor.fsdp_config.mixed_precision.buffer_dtype", None, "config.py:560"),
     CodeDefault(
         "actor.fsdp_config.save_full_model_weights",
         True,

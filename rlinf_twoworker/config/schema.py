@@ -559,7 +559,9 @@ class ModelConfig:
     model_path: str = "/workspace/dataset/DeepSeek-R1-Distill-Qwen-1.5B"
     """A local Hugging Face model directory (config.json, tokenizer, *.safetensors)."""
     precision: str = "bf16"
-    """Weights dtype of this component on a GPU: fp32, bf16 or fp16 (CPU always uses fp32)."""
+    """Weights dtype of this component on a GPU: fp32, bf16 or fp16 (CPU always uses fp32).
+    The rollout and inference compute in it; the actor keeps its master weights in it and
+    computes in actor.fsdp_config.mixed_precision.param_dtype."""
     model_type: str = "qwen2.5"
     is_lora: bool = False
 
@@ -743,8 +745,6 @@ class ActorConfig:
     actor rank they also give theirs back during the update (the rollout its KV cache, both
     their weights, which the sync refills). Ignored when the step is pipelined (as RLinf
     does). None: off, unless the memory plan finds that a GPU fits only with it."""
-    mixed_precision: bool = True
-    """On GPUs: FSDP2 bf16 parameters with fp32 gradient reduction (master weights stay fp32)."""
     activation_checkpointing: bool | None = None
     """Recompute each decoder layer's activations in the backward pass (less memory, one more
     forward of compute). None: off, unless the memory plan finds that an actor's GPU fits only

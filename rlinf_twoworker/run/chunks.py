@@ -19,6 +19,7 @@ import torch
 
 from rlinf_twoworker.algorithm import group_advantages, loss_weights
 from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.engines.grad_scaler import mean_grad_norm
 from rlinf_twoworker.engines.models import SequenceBatch
 from rlinf_twoworker.messages import ActorShard, TrainStats
 
@@ -171,7 +172,15 @@ def whiten(advantages: list[torch.Tensor], masks: list[torch.Tensor]) -> list[to
     ]
 
 
-_NOT_MEANS = ("ratio_max", "lr", "logprob_diff_max", "skipped_steps", "offload_seconds")
+_NOT_MEANS = (
+    "ratio_max",
+    "lr",
+    "logprob_diff_max",
+    "skipped_steps",
+    "offload_seconds",
+    "loss_scale",
+    "grad_norm",
+)
 
 
 def merge_train_stats(parts: list[TrainStats]) -> TrainStats:
@@ -187,10 +196,13 @@ def merge_train_stats(parts: list[TrainStats]) -> TrainStats:
     metrics.update(
         ratio_max=max(p.metrics["ratio_max"] for p in parts),
         skipped_steps=sum(p.metrics["skipped_steps"] for p in parts),
+        grad_norm=mean_grad_norm([p.metrics["grad_norm"] for p in parts]),
         lr=parts[-1].metrics["lr"],
     )
     if "offload_seconds" in first:
         metrics["offload_seconds"] = sum(p.metrics["offload_seconds"] for p in parts)
+    if "loss_scale" in first:  # the scale after the last update
+        metrics["loss_scale"] = parts[-1].metrics["loss_scale"]
     if "logprob_diff_max" in first:
         metrics["logprob_diff_max"] = first["logprob_diff_max"]
     return TrainStats(

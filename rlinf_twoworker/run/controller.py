@@ -39,7 +39,7 @@ from rlinf_twoworker.cluster.placement import (
     request_placement_group,
     wait_removed,
 )
-from rlinf_twoworker.config import GRPOConfig, config_notes
+from rlinf_twoworker.config import GRPOConfig, config_notes, precision_warning
 from rlinf_twoworker.errors import RunCancelledError, TwoWorkerError
 from rlinf_twoworker.results import CheckpointInfo, StepResult
 from rlinf_twoworker.run import lifecycle, ray_metrics
@@ -277,6 +277,8 @@ class RunController:
             ray_metrics.export_state(self.run_id, self.state)
             for note in config_notes(self.raw_cfg, self.cfg):
                 self.log.info(f"CONFIG_NOTE {note}")
+            if (mismatch := precision_warning(self.cfg)) is not None:
+                self.log.info(f"PRECISION_WARNING {mismatch}")
             await self._setup()
             await self._train()
             watchdog.cancel()  # before the components are released on purpose

@@ -365,6 +365,7 @@ _ACTOR_METRICS = (
     "kl_loss",
     "logprob_diff_max",
     "skipped_steps",
+    "loss_scale",
 )
 
 

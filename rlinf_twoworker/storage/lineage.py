@@ -28,7 +28,8 @@ _KEPT = (
     "actor.optim.",
     "actor.lr_sched.",
     "actor.seed",
-    "actor.mixed_precision",
+    "actor.fsdp_config.mixed_precision.",
+    "actor.fsdp_config.grad_scaler.",
     "actor.model.precision",
     "rollout.model.precision",
     "inference.model.precision",
@@ -38,9 +39,24 @@ _KEPT = (
     "reward.reward_fn",
     "data.",
 )
-ABSENT_MEANS: dict[str, Any] = {"reward.reward_fn": None}
+_SCALER = "actor.fsdp_config.grad_scaler."
+ABSENT_MEANS: dict[str, Any] = {
+    "reward.reward_fn": None,
+    f"{_SCALER}enabled": False,
+    f"{_SCALER}init_scale": 65536.0,
+    f"{_SCALER}growth_interval": 2000,
+    f"{_SCALER}growth_factor": 2.0,
+    f"{_SCALER}backoff_factor": 0.5,
+}
 """Kept keys added after lineage.json was first written, and what a lineage without one was
 trained with (reward.grader is not here: its default changed, so an older run's is unknown)."""
+_MP = "actor.fsdp_config.mixed_precision."
+_OLD_MIXED_PRECISION: dict[bool, dict[str, Any]] = {
+    True: {f"{_MP}param_dtype": "bf16", f"{_MP}reduce_dtype": "fp32", f"{_MP}buffer_dtype": "fp32"},
+    False: {f"{_MP}param_dtype": None, f"{_MP}reduce_dtype": None, f"{_MP}buffer_dtype": None},
+}
+"""A lineage written before RLinf's precision keys acted kept the library's bool
+actor.mixed_precision: bf16 compute with fp32 reduction, or no cast."""
 _LEFT_OUT = (
     "algorithm.logprob_forward_micro_batch_size",
     "data.train_data_paths",
@@ -106,6 +122,9 @@ def lineage_problems(run_dir: Path, mine: dict[str, Any]) -> list[str]:
             problems.append(f"another {what} (SHA256 {theirs.get(key)} there, {mine[key]} here)")
     found = theirs.get("training")
     settings: dict[str, Any] = found if isinstance(found, dict) else {}
+    old_precision = settings.pop("actor.mixed_precision", None)
+    if isinstance(old_precision, bool):
+        settings.update(_OLD_MIXED_PRECISION[old_precision])
     for key, value in ABSENT_MEANS.items():  # a run written before the key existed
         settings.setdefault(key, value)
     differing = sorted(

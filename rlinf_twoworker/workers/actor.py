@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 import socket
 import time
 import warnings
@@ -21,9 +20,16 @@ import torch
 import torch.distributed as dist
 
 from rlinf_twoworker.algorithm import PolicyLoss, ppo_loss
-from rlinf_twoworker.config import AlgorithmConfig, GRPOConfig
+from rlinf_twoworker.config import AlgorithmConfig, GRPOConfig, MixedPrecision
 from rlinf_twoworker.engines import staging
+from rlinf_twoworker.engines.grad_scaler import (
+    build_grad_scaler,
+    clip_and_step,
+    loss_scale,
+    mean_grad_norm,
+)
 from rlinf_twoworker.engines.models import (
+    DTYPES,
     SequenceBatch,
     compile_layers,
     dtype_for,
@@ -102,14 +108,17 @@ def prepare_for_training(
     model: Any,
     mesh: Any,
     *,
-    mixed_precision: bool,
+    precision: MixedPrecision | None,
     activation_checkpointing: bool,
     compiled: bool,
 ) -> Any:
     """Shard `model` with FSDP2 over `mesh`, one unit per decoder layer plus the root.
 
-    mixed_precision: bf16 parameters in forward/backward, fp32 gradient reduction (the master
-    weights keep the loaded dtype). compiled: each decoder layer's forward goes through
+    precision: actor.fsdp_config.mixed_precision as RLinf's FSDP2 strategy applies it: each
+    layer is gathered in param_dtype to compute (forward and backward) and its gradients are
+    reduce-scattered in reduce_dtype; floating buffers are cast to buffer_dtype; the master
+    weights keep the loaded dtype. None: no cast (the CPU path). compiled: each decoder
+    layer's forward goes through
     `torch.compile` (its norms, rotary, SwiGLU and residual adds fuse into few kernels; the
     GEMMs and attention stay cuBLAS / SDPA); compiled in place, so parameter names, state dicts
     and checkpoints are those of the eager model. FSDP2's hooks stay outside the compiled code.
@@ -122,15 +131,31 @@ def prepare_for_training(
         (enable or model.gradient_checkpointing_enable)()
     model.config.use_cache = False
     kwargs: dict[str, Any] = {"mesh": mesh}
-    if mixed_precision:
+    if precision is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            param_dtype=_dtype(precision.param_dtype),
+            reduce_dtype=_dtype(precision.reduce_dtype),
         )
+        _cast_buffers(model, _dtype(precision.buffer_dtype))
     compile_layers(model, compiled)
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else DTYPES[name]
+
+
+def _cast_buffers(model: torch.nn.Module, dtype: torch.dtype | None) -> None:
+    """Floating-point buffers to `dtype` (RLinf's buffer_dtype; FSDP2 has no such option)."""
+    if dtype is None:
+        return
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_floating_point():
+                module._buffers[name] = buffer.to(dtype)
 
 
 class ActorWorker(Worker):
@@ -141,6 +166,7 @@ class ActorWorker(Worker):
         self.model: Any = None
         self.optimizer: Any = None
         self.scheduler: Any = None
+        self.scaler: Any = None  # actor.fsdp_config.grad_scaler (engines/grad_scaler.py)
         self._exported: list[torch.Tensor] = []
         self.lr_used = 0.0  # the lr of the latest optimiser step
         self.compiled = False  # compiled decoder layers and log-softmax (set by `build`)
@@ -162,7 +188,7 @@ class ActorWorker(Worker):
         model = prepare_for_training(
             model,
             DeviceMesh.from_group(self.actor_group, self.device.type),
-            mixed_precision=self.device.type == "cuda" and cfg.actor.mixed_precision,
+            precision=cfg.actor.fsdp_config.mixed_precision if self.device.type == "cuda" else None,
             activation_checkpointing=cfg.actor.recompute,
             compiled=self.compiled,
         )
@@ -177,6 +203,9 @@ class ActorWorker(Worker):
             fused=self.device.type == "cuda",
         )
         self.scheduler = lr_scheduler(self.optimizer, cfg)
+        self.scaler = build_grad_scaler(
+            cfg.actor.fsdp_config.grad_scaler, self.device, self.actor_group
+        )
         # actor.enable_offload (sequential steps): parameters and optimiser state live in CPU
         # memory outside the update, as in RLinf from the start.
         self.offloader = ActorOffload(model, self.optimizer, self.device)
@@ -222,6 +251,9 @@ class ActorWorker(Worker):
             lr=self.lr_used,
             skipped_steps=0.0 if stepped else 1.0,
         )
+        scale = loss_scale(self.scaler)
+        if scale is not None:  # the scale the next minibatch uses
+            out["loss_scale"] = scale
         if first:
             out["logprob_diff_max"] = float(maxes[1])
         return out
@@ -250,7 +282,8 @@ class ActorWorker(Worker):
                 entropy,
                 None if shard.ref_logprobs is None else shard.ref_logprobs[rows].to(self.device),
             )
-            (loss * world).backward()  # FSDP averages gradients over the ranks
+            # FSDP averages gradients over the ranks; the scaler multiplies by its scale.
+            self.scaler.scale(loss * world).backward()
             metrics["final_loss"] = loss.detach()
             metrics["tokens"] = part.response_mask.sum().float()
             maxes[0] = torch.maximum(maxes[0], metrics.pop("ratio_max"))
@@ -278,18 +311,23 @@ class ActorWorker(Worker):
         return logprobs, entropy if algo.entropy_bonus > 0 else entropy.detach()
 
     def _clip_and_step(self) -> tuple[float, bool]:
-        """Clip the gradient and step, unless its norm is not finite: then, as RLinf, the
-        optimiser step is skipped (with a warning). The lr schedule steps either way."""
-        clip = self.cfg.actor.optim.clip_grad
-        norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), clip if clip > 0 else float("inf")
-        )
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        """Unscale, clip the gradient and step, unless its norm is not finite: then, as RLinf,
+        the optimiser step is skipped (with a warning) and the loss scale lowered. The lr
+        schedule steps either way."""
         self.lr_used = self.optimizer.param_groups[0]["lr"]
-        stepped = math.isfinite(grad_norm)
-        if stepped:
-            self.optimizer.step()
-        else:
+        clip = self.cfg.actor.optim.clip_grad
+        grad_norm, stepped = clip_and_step(self.model, self.optimizer, self.scaler, clip)
+        scale = loss_scale(self.scaler)
+        if not stepped and scale is not None:
+            warnings.warn(
+                f"actor rank {self.rank}: gradient norm {grad_norm} (an overflow under loss "
+                f"scaling); the optimiser step is skipped and the loss scale lowered to {scale} "
+                "(as RLinf does). If every step skips, lower actor.fsdp_config.grad_scaler."
+                "init_scale or compute in bf16 (actor.fsdp_config.mixed_precision.param_dtype="
+                "bf16)",
+                stacklevel=2,
+            )
+        elif not stepped:
             warnings.warn(
                 f"actor rank {self.rank}: gradient norm {grad_norm} is not finite; the "
                 "optimiser step is skipped (as RLinf does). Lower actor.optim.lr if it recurs",
@@ -348,7 +386,15 @@ class ActorWorker(Worker):
         results = [self._minibatch_or_eager(s, i == 0) for i, s in enumerate(shards)]
         if self.cfg.offloads:  # as RLinf: the optimiser state leaves before the sync
             self.offloader.offload_optimizer()
-        special = ("ratio_max", "lr", "tokens", "optimizer_seconds", "logprob_diff_max")
+        special = (
+            "ratio_max",
+            "lr",
+            "tokens",
+            "optimizer_seconds",
+            "logprob_diff_max",
+            "loss_scale",
+            "grad_norm",
+        )
         metrics = {
             k: sum(r[k] for r in results) / len(results) for k in results[0] if k not in special
         }
@@ -356,9 +402,12 @@ class ActorWorker(Worker):
             ratio_max=max(r["ratio_max"] for r in results),
             logprob_diff_max=results[0]["logprob_diff_max"],
             skipped_steps=sum(r["skipped_steps"] for r in results),
+            grad_norm=mean_grad_norm([r["grad_norm"] for r in results]),
             lr=results[-1]["lr"],
             offload_seconds=self.offloader.take_seconds(),
         )
+        if "loss_scale" in results[-1]:  # after the step's last update
+            metrics["loss_scale"] = results[-1]["loss_scale"]
         if self.device.type == "cuda":  # what the weight sync and the other stages find held
             gib = 1024**3
             metrics["gpu_reserved_after_update_gib"] = torch.cuda.memory_reserved(self.device) / gib
@@ -441,14 +490,15 @@ class ActorWorker(Worker):
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         rng = {f"rank_{self.rank}": torch.get_rng_state()}
-        return {
-            "fsdp_checkpoint": {
-                "model": model_sd,
-                "optimizers": optim_sd,
-                "lr_schedulers": self.scheduler.state_dict(),
-                "rng": rng,
-            }
+        inner = {
+            "model": model_sd,
+            "optimizers": optim_sd,
+            "lr_schedulers": self.scheduler.state_dict(),
+            "rng": rng,
         }
+        if self.scaler.is_enabled():  # the scale and its growth count: resume is exact
+            inner["grad_scaler"] = self.scaler.state_dict()
+        return {"fsdp_checkpoint": inner}
 
     def save_checkpoint(self, path: str) -> dict[str, Any]:
         """Write this rank's DCP shard (a collective of the actor group)."""
@@ -490,7 +540,8 @@ class ActorWorker(Worker):
         return {"seconds": time.perf_counter() - start, **out}
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore model, optimiser, lr schedule and this rank's RNG from a DCP checkpoint."""
+        """Restore model, optimiser, lr schedule, loss scale and this rank's RNG from a DCP
+        checkpoint."""
         with self._on_device():
             self._load_checkpoint(path)
 
@@ -525,4 +576,6 @@ class ActorWorker(Worker):
             optim_state_dict=inner["optimizers"],
         )
         self.scheduler.load_state_dict(inner["lr_schedulers"])
+        if "grad_scaler" in inner:
+            self.scaler.load_state_dict(inner["grad_scaler"])
         torch.set_rng_state(inner["rng"][f"rank_{self.rank}"])
