@@ -24,6 +24,28 @@ def cluster_2x2():
         yield cluster
 
 
+@pytest.fixture(scope="session")
+def finished_inputs(tmp_path_factory):
+    """The demo's inputs (digit task), made once for the session."""
+    from rlinf_twoworker.api.demo import make_inputs
+
+    return make_inputs(tmp_path_factory.mktemp("finished-inputs"), task="digit7")
+
+
+@pytest.fixture(scope="session")
+def finished_run(cluster_2x2, finished_inputs, tmp_path_factory):
+    """A finished, verified 2-step run (lr high enough that training moves the weights), shared
+    by the tests that read a run back; they change only copies of it."""
+    from rlinf_twoworker import run_grpo_two_worker
+    from rlinf_twoworker.api.demo import demo_config
+
+    root = tmp_path_factory.mktemp("finished-runs")
+    config = demo_config(finished_inputs, root, "done", ["actor.optim.lr=1e-3"])
+    report = run_grpo_two_worker(config).result(timeout=300)
+    assert report.passed, report.errors
+    return root / "done"
+
+
 def run_in_own_process(script: str, *args: str, timeout: float) -> Any:
     """Run `script` with `args` in a Python process of its own, away from the session's cluster
     (RAY_ADDRESS removed: it starts and connects to a cluster of its own); it must exit 0 and

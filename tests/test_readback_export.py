@@ -14,30 +14,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlinf_twoworker import run_grpo_two_worker
-from rlinf_twoworker.api.demo import demo_config, make_inputs
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.storage.readback import model_state
 
-TIMEOUT = 300
 DCP = Path("checkpoints/global_step_2/actor/dcp_checkpoint")
 # The commands must work where Ray cannot even be imported (a login node, a laptop).
 NO_RAY = "import sys; sys.modules['ray'] = None; from rlinf_twoworker.api.cli import main; "
 
 
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    return make_inputs(tmp_path_factory.mktemp("inputs"), task="digit7")
+@pytest.fixture
+def inputs(finished_inputs):
+    return finished_inputs
 
 
-@pytest.fixture(scope="module")
-def run_dir(cluster_2x2, inputs, tmp_path_factory) -> Path:
-    """A finished, verified 2-step run (lr high enough that training moves the weights)."""
-    root = tmp_path_factory.mktemp("runs")
-    handle = run_grpo_two_worker(demo_config(inputs, root, "done", ["actor.optim.lr=1e-3"]))
-    report = handle.result(timeout=TIMEOUT)
-    assert report.passed, report.errors
-    return root / "done"
+@pytest.fixture
+def run_dir(finished_run) -> Path:
+    """conftest's finished run (one for the session: test_export_rlinf reads it too)."""
+    return finished_run
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

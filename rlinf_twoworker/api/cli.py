@@ -1,4 +1,5 @@
-"""The `rlinf-twoworker` command: run, demo, preflight, verify, readback, export-hf, report.
+"""The `rlinf-twoworker` command: run, demo, preflight, verify, readback, export-hf,
+export-rlinf, report.
 
 Exit codes: 0 success; 1 the run or a check failed; 2 the request is invalid (nothing was created
 or changed); 3 no Ray cluster is reachable, or it is not the cluster the config asks for; 130
@@ -291,6 +292,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return OK
 
 
+def cmd_export_rlinf(args: argparse.Namespace) -> int:
+    from rlinf_twoworker.storage.export_rlinf import export_rlinf
+
+    try:
+        result = export_rlinf(args.run_dir, args.out, args.step, args.fsdp_version)
+    except TwoWorkerError as exc:
+        return _failed("EXPORT", exc)
+    print("\n".join(result.lines()))
+    print("EXPORT_STATUS=passed", flush=True)
+    return OK
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from rlinf_twoworker.api.report import load_scalars, plot, table
 
@@ -386,6 +399,29 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="the new model directory")
     export.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     export.set_defaults(func=cmd_export)
+    rlinf = sub.add_parser(
+        "export-rlinf",
+        help="a checkpoint in the form RLinf's FSDP actor resumes from (no Ray, no GPU)",
+        description="Write OUT/global_step_<N>/actor/dcp_checkpoint from RUN_DIR's checkpoint: "
+        "the shards copied, fsdp_version, lr_schedulers and rng written as RLinf's loader "
+        "asserts. RLinf resumes from it with runner.resume_dir=OUT/global_step_<N>.",
+    )
+    rlinf.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    rlinf.add_argument("--step", type=int, default=None, help="default: the newest complete")
+    rlinf.add_argument(
+        "--out",
+        default=None,
+        help="the directory to hold global_step_<N>, e.g. RLinf's "
+        "<output_dir>/<experiment_name>/checkpoints (default: RUN_DIR/rlinf/checkpoints)",
+    )
+    rlinf.add_argument(
+        "--fsdp-version",
+        default=None,
+        choices=("fsdp", "fsdp2"),
+        help="RLinf's actor.fsdp_config.strategy that will load it (default: the run's, "
+        "from its hydra/.hydra/config.yaml; RLinf's own default is fsdp)",
+    )
+    rlinf.set_defaults(func=cmd_export_rlinf)
     report = sub.add_parser("report", help="a run's metrics: a table and a PNG plot")
     report.add_argument("run_dir")
     report.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/report.png)")
