@@ -33,12 +33,17 @@ def run_dir(finished_run) -> Path:
     return finished_run
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    """The command in a fresh process that has no Ray and sees no GPU."""
+def cli(*args: str, umask: int | None = None) -> subprocess.CompletedProcess:
+    """The command in a fresh process that has no Ray and sees no GPU (under `umask`)."""
     script = NO_RAY + f"sys.exit(main({list(args)!r}))"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     return subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        preexec_fn=None if umask is None else (lambda: os.umask(umask)),
     )
 
 
@@ -166,3 +171,18 @@ def test_a_planted_pickle_runs_in_no_command(run_dir, tmp_path):
     verified = cli("verify", str(copy))
     assert verified.returncode != 0 and ".metadata" in verified.stdout + verified.stderr
     assert not marker.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("umask", "mode"), [(0o077, 0o600), (0o022, 0o644)])
+def test_export_hf_file_modes_follow_the_users_umask(run_dir, tmp_path, umask, mode):
+    """The weights (safetensors writes 0600) and the copied tokenizer and config files (their
+    source may be 0644) get what any new file gets under the user's umask."""
+    out = tmp_path / "hf"
+    done = cli("export-hf", str(run_dir), "--out", str(out), umask=umask)
+    assert done.returncode == 0, done.stdout + done.stderr
+    files = [p for p in out.iterdir() if p.is_file()]
+    assert {"model.safetensors", "tokenizer.json", "config.json"} <= {p.name for p in files}
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {
+        p.name: oct(mode) for p in files
+    }

@@ -154,7 +154,7 @@ def _copy_model_files(source: Path, target: Path) -> None:
             and item.name != MANIFEST_NAME
             and not item.name.endswith(WEIGHT_SUFFIXES + (".index.json",))
         ):
-            shutil.copy2(item, target / item.name)
+            shutil.copyfile(item, target / item.name)  # a new file: its mode from the umask
 
 
 def _write_config(path: Path, config: dict[str, Any], dtype: str) -> None:
@@ -168,4 +168,11 @@ def _write_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path), {"format": "pt"})
-    path.chmod(0o644)  # safetensors writes 0600; the other nodes and users read the export
+    path.chmod(umask_mode())  # safetensors writes 0600: give it what any new file gets
+
+
+def umask_mode() -> int:
+    """The mode a new file gets under the process's umask (0644 under 022, 0600 under 077)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
