@@ -468,3 +468,44 @@ def test_progress_line_shows_step_reward_loss_and_time():
     assert progress_line(status) == (
         "2/10 steps done | step 3 | reward -4.375 | loss 0.0121 | step 0.45s | 1m23s"
     )
+
+
+def test_every_command_says_what_it_does_and_each_argument_its_default():
+    """Each subcommand has a description; each argument a help text; each option that has a
+    default (or takes one from elsewhere) says so; the run directory is RUN_DIR everywhere;
+    `run --help` names the Driver's environment; --version answers."""
+    import argparse
+
+    from rlinf_twoworker.api.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(commands.choices) >= {"run", "demo", "verify", "readback", "export-hf", "report"}
+    for name, sub in commands.choices.items():
+        assert sub.description, f"{name} has no description"
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            where = f"{name} {action.dest}"
+            assert action.help, f"{where} has no help text"
+            if action.option_strings and not action.required and action.nargs != 0:
+                assert "default" in action.help, f"{where} does not say its default"
+            if action.dest == "run_dir":
+                assert action.metavar == "RUN_DIR", where
+    run_help = commands.choices["run"].format_help()
+    assert all(var in run_help for var in ("RUN_ID", "WORK_ROOT", "TARGET_STEPS"))
+    done = subprocess.run([*CLI, "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("rlinf-twoworker ")
+
+
+def test_a_read_command_reports_its_error_on_stderr_and_its_status_on_stdout(tmp_path):
+    done = subprocess.run(
+        [*CLI, "readback", str(tmp_path / "no-such-run")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert done.stdout.startswith("READBACK_STATUS=failed error="), done.stdout
+    errors = [line for line in done.stderr.splitlines() if line.startswith("RLINF_ERROR=")]
+    assert len(errors) == 1 and "no-such-run" in errors[0], done.stderr

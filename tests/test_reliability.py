@@ -551,6 +551,10 @@ def test_ctrl_c_on_the_cli_driver_cancels_the_run_and_frees_the_cluster(
     assert "STARTUP_EXIT_CODE=130" in text
     # The cancellation is what was asked for: no traceback, no "Unhandled error" from Ray.
     assert "Traceback" not in text and "Unhandled error" not in text, text[-3000:]
+    # Output that is not a terminal is a log: no colour codes, no redrawn progress bars, and
+    # nothing of Ray's after the last line.
+    assert "\x1b[" not in text and "Loading weights" not in text, text[-3000:]
+    assert text.rstrip("\n").splitlines()[-1] == "STARTUP_EXIT_CODE=130", text[-3000:]
     assert json.loads((out / run_id / "failure.json").read_text())["state"] == "cancelled"
     assert_released(run_id, timeout=30, driver_gone=True)
 

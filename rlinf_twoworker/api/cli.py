@@ -181,7 +181,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         placement = _verify_placement(args.expected_placement)
         expected = _verify_expected(run_dir, args, placement)
     except TwoWorkerError as exc:
-        print(f"RLINF_VERIFICATION_STATUS=failed error={' '.join(str(exc).split())}", flush=True)
+        _status_failed("RLINF_VERIFICATION_STATUS", exc)
         return INVALID
     own = _record_expected(run_dir)
     what_if = own is None or expected != own
@@ -320,14 +320,44 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _failed(command: str, exc: BaseException) -> int:
-    print(f"{command}_STATUS=failed error={' '.join(str(exc).split())}", flush=True)
+    _status_failed(f"{command}_STATUS", exc)
     return FAILED
 
 
+def _status_failed(status: str, exc: BaseException) -> None:
+    """A command's failure: its status line on stdout (`<STATUS>=failed error=...`, one line,
+    for scripts) and the error on stderr (`RLINF_ERROR=<type>: ...`), as `run` reports it."""
+    print(f"{status}=failed error={' '.join(str(exc).split())}", flush=True)
+    print(f"RLINF_ERROR={type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
 def _cluster_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="a YAML config in RLinf's layout")
-    parser.add_argument("--address", default=None, help="Ray address (default: auto)")
-    parser.add_argument("overrides", nargs="*", help="config overrides, Hydra syntax (a.b=c)")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="a YAML config in RLinf's layout (default: none, the library's embedded defaults, "
+        "which are the tutorial's settings)",
+    )
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="the Ray cluster's address (default: RAY_ADDRESS, else the cluster running on "
+        "this node)",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="config overrides, key=value as on Hydra's command line"
+    )
+
+
+def _run_dir_arg(parser: argparse.ArgumentParser, optional: bool = False) -> None:
+    """RUN_DIR, the same way for every command that reads a run."""
+    parser.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        nargs="?" if optional else None,
+        default=None,
+        help="the run directory (runner.output_dir/<run id>, printed as RUN_DIR= by run and demo)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,25 +368,55 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=rest.strip(),
         formatter_class=argparse.RawDescriptionHelpFormatter,  # keep the docstring's lines
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_version()}", help="print the version"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser(
         "run",
-        help="the Driver command: a run on the existing Ray cluster (env RUN_ID, WORK_ROOT, TARGET_STEPS)",
+        help="the Driver command: a run on the existing Ray cluster (env RUN_ID, WORK_ROOT, "
+        "TARGET_STEPS)",
+        description="The Driver command: one GRPO run on the Ray cluster this node belongs "
+        "to (it connects; it never starts Ray), from the request check to the postflight. "
+        "Environment: RUN_ID names the run (runner.experiment_name; letters, digits, '.', '_', "
+        "'-'; a new one each run), WORK_ROOT the shared storage the runs go under (runs in WORK_ROOT/runs/two-worker-grpo-pipeline/RUN_ID), TARGET_STEPS the steps to "
+        "train (runner.max_steps and the checkpoint step, >= 2). Each is optional where the "
+        "config or an override gives the key.",
     )
     _cluster_args(run)
     run.add_argument(
-        "--timeout", type=float, default=None, help="seconds (default: from the config's timeouts)"
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds for the whole run (default: the sum of the config's runner.timeouts)",
     )
     run.set_defaults(func=cmd_run)
-    demo = sub.add_parser("demo", help="the whole scenario on a local 2x2 cluster, no downloads")
-    demo.add_argument("--output-root", default="demo-runs", help="parent of the run directory")
-    demo.add_argument("--run-id", default=None, help="run name (default: demo-<time>)")
-    demo.add_argument(
-        "--steps", type=_command_steps("--steps"), default=2, help="GRPO steps, >= 2 (default 2)"
+    demo = sub.add_parser(
+        "demo",
+        help="the whole scenario on a local 2x2 cluster, no downloads",
+        description="The main job at toy size on this machine: a local 2-node x 2-GPU Ray "
+        "cluster on loopback, a tiny Qwen2 model and an addition data set made on the spot, "
+        "the run, a checkpoint, the postflight (docs/local.md).",
     )
-    demo.add_argument("overrides", nargs="*", help="config overrides, Hydra syntax (a.b=c)")
+    demo.add_argument(
+        "--output-root",
+        default="demo-runs",
+        help="the parent of the run directory (default: demo-runs)",
+    )
+    demo.add_argument("--run-id", default=None, help="the run's name (default: demo-<date>-<time>)")
+    demo.add_argument(
+        "--steps", type=_command_steps("--steps"), default=2, help="GRPO steps, >= 2 (default: 2)"
+    )
+    demo.add_argument(
+        "overrides", nargs="*", help="config overrides, key=value as on Hydra's command line"
+    )
     demo.set_defaults(func=cmd_demo)
-    preflight = sub.add_parser("preflight", help="placement and per-node preflight only")
+    preflight = sub.add_parser(
+        "preflight",
+        help="placement and per-node preflight only",
+        description="The placement group and the per-node preflight of a run of this config, "
+        "on the connected cluster, then nothing: no run directory, no components.",
+    )
     _cluster_args(preflight)
     preflight.set_defaults(func=cmd_preflight)
     verify = sub.add_parser(
@@ -366,11 +426,11 @@ def build_parser() -> argparse.ArgumentParser:
         "run id, output root, checkpoint, validation) comes from its record "
         "hydra/.hydra/config.yaml; each flag replaces the record's value.",
     )
+    _run_dir_arg(verify, optional=True)
     verify.add_argument(
-        "run_dir", nargs="?", default=None, metavar="RUN_DIR", help="the run directory"
-    )
-    verify.add_argument(
-        "--output-dir", default=None, help="deprecated: the run directory (give RUN_DIR instead)"
+        "--output-dir",
+        default=None,
+        help="deprecated: the run directory (give RUN_DIR instead; default: none)",
     )
     verify.add_argument(
         "--target-steps",
@@ -380,7 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
         "runner.max_epochs ended earlier)",
     )
     verify.add_argument(
-        "--expected-nodes", type=_positive_int, default=None, help="default: cluster.num_nodes"
+        "--expected-nodes",
+        type=_positive_int,
+        default=None,
+        help="the nodes the run must show (default: the record's cluster.num_nodes)",
     )
     verify.add_argument(
         "--expected-placement",
@@ -389,15 +452,41 @@ def build_parser() -> argparse.ArgumentParser:
         'without one the tutorial\'s {rollout:0,inference:1,actor:"2-3",reward:0})',
     )
     verify.set_defaults(func=cmd_verify)
-    readback = sub.add_parser("readback", help="load a finished run's checkpoint (no Ray, no GPU)")
-    readback.add_argument("run_dir")
-    readback.add_argument("--step", type=int, default=None, help="default: the verified one")
+    readback = sub.add_parser(
+        "readback",
+        help="load a finished run's checkpoint (no Ray, no GPU)",
+        description="Load a verified run's DCP checkpoint in this process (no Ray, no GPU) and "
+        "print its shards and parameter count: the check that the files on storage are whole.",
+    )
+    _run_dir_arg(readback)
+    readback.add_argument(
+        "--step",
+        type=_positive_int,
+        default=None,
+        help="the checkpoint's step (default: the one the postflight verified)",
+    )
     readback.set_defaults(func=cmd_readback)
-    export = sub.add_parser("export-hf", help="a checkpoint as a Hugging Face model directory")
-    export.add_argument("run_dir")
-    export.add_argument("--step", type=int, default=None, help="default: the newest complete")
-    export.add_argument("--out", required=True, help="the new model directory")
-    export.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    export = sub.add_parser(
+        "export-hf",
+        help="a checkpoint as a Hugging Face model directory",
+        description="Write a checkpoint's weights as a Hugging Face model directory "
+        "(model.safetensors, config and tokenizer files, a SHA256SUMS) that "
+        "AutoModelForCausalLM.from_pretrained loads; no Ray, no GPU.",
+    )
+    _run_dir_arg(export)
+    export.add_argument(
+        "--step",
+        type=_positive_int,
+        default=None,
+        help="the checkpoint's step (default: the newest complete one)",
+    )
+    export.add_argument("--out", required=True, help="the new model directory (must not exist)")
+    export.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="the weights' dtype (default: the checkpoint's, the float32 master weights)",
+    )
     export.set_defaults(func=cmd_export)
     rlinf = sub.add_parser(
         "export-rlinf",
@@ -406,8 +495,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the shards copied, fsdp_version, lr_schedulers and rng written as RLinf's loader "
         "asserts. RLinf resumes from it with runner.resume_dir=OUT/global_step_<N>.",
     )
-    rlinf.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
-    rlinf.add_argument("--step", type=int, default=None, help="default: the newest complete")
+    _run_dir_arg(rlinf)
+    rlinf.add_argument(
+        "--step",
+        type=_positive_int,
+        default=None,
+        help="the checkpoint's step (default: the newest complete one)",
+    )
     rlinf.add_argument(
         "--out",
         default=None,
@@ -422,12 +516,28 @@ def build_parser() -> argparse.ArgumentParser:
         "from its hydra/.hydra/config.yaml; RLinf's own default is fsdp)",
     )
     rlinf.set_defaults(func=cmd_export_rlinf)
-    report = sub.add_parser("report", help="a run's metrics: a table and a PNG plot")
-    report.add_argument("run_dir")
-    report.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/report.png)")
-    report.add_argument("--no-plot", action="store_true", help="print the table only")
+    report = sub.add_parser(
+        "report",
+        help="a run's metrics: a table and a PNG plot",
+        description="A run's TensorBoard metrics as a table (reward, loss, grad norm, seconds "
+        "a step) and a PNG plot; works on a finished run and on one still writing.",
+    )
+    _run_dir_arg(report)
+    report.add_argument("--out", default=None, help="the PNG's path (default: RUN_DIR/report.png)")
+    report.add_argument(
+        "--no-plot", action="store_true", help="print the table only (default: table and plot)"
+    )
     report.set_defaults(func=cmd_report)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rlinf_twoworker")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+        return "(not installed)"
 
 
 def _plain_ray_output() -> None:
