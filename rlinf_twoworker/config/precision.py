@@ -11,12 +11,9 @@ RLinf's starting config asks for fp16 compute and reduction with a scaler, and g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from rlinf_twoworker.errors import ConfigError
-
-if TYPE_CHECKING:
-    from rlinf_twoworker.config.schema import GRPOConfig
 
 DTYPES = ("fp16", "bf16", "fp32")
 """What RLinf's precision keys take (its `torch_dtype_from_precision`); null: no cast."""
@@ -117,12 +114,14 @@ class GradScalerConfig:
         return 2000 if self.growth_interval is None else self.growth_interval
 
 
-def actor_compute(cfg: GRPOConfig) -> str:
+# `cfg` below is a GRPOConfig, typed Any: config.schema imports this module through config.rlinf,
+# so naming GRPOConfig here would close an import circle.
+def actor_compute(cfg: Any) -> str:
     """The dtype the actor's layers compute in on GPUs: param_dtype, else the master weights'."""
     return cfg.actor.fsdp_config.mixed_precision.param_dtype or cfg.actor.model.precision
 
 
-def precision_warning(cfg: GRPOConfig) -> str | None:
+def precision_warning(cfg: Any) -> str | None:
     """Why the actor's new log-probs and the inference's old ones come from different
     precisions (the first minibatch's ratio is then not 1 up to rounding), with the keys to
     change; None when they agree or on CPUs (everything computes in fp32 there)."""
@@ -140,7 +139,7 @@ def precision_warning(cfg: GRPOConfig) -> str | None:
     )
 
 
-def precision_notes(cfg: GRPOConfig) -> list[str]:
+def precision_notes(cfg: Any) -> list[str]:
     """Notes for the run's log on precision settings that are accepted but worth knowing."""
     notes = []
     scaler = cfg.actor.fsdp_config.grad_scaler

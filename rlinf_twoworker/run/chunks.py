@@ -196,9 +196,10 @@ def merge_train_stats(parts: list[TrainStats]) -> TrainStats:
     metrics.update(
         ratio_max=max(p.metrics["ratio_max"] for p in parts),
         skipped_steps=sum(p.metrics["skipped_steps"] for p in parts),
-        grad_norm=mean_grad_norm([p.metrics["grad_norm"] for p in parts]),
         lr=parts[-1].metrics["lr"],
     )
+    if "grad_norm" in first:  # over the minibatches that stepped (an overflow's is not finite)
+        metrics["grad_norm"] = mean_grad_norm([p.metrics["grad_norm"] for p in parts])
     if "offload_seconds" in first:
         metrics["offload_seconds"] = sum(p.metrics["offload_seconds"] for p in parts)
     if "loss_scale" in first:  # the scale after the last update
