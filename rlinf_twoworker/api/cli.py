@@ -349,6 +349,16 @@ def _cluster_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _step_arg(parser: argparse.ArgumentParser, default: str) -> None:
+    """--step, the checkpoint a command reads, the same way for every such command."""
+    parser.add_argument(
+        "--step",
+        type=_positive_int,
+        default=None,
+        help=f"the checkpoint's step (default: {default})",
+    )
+
+
 def _run_dir_arg(parser: argparse.ArgumentParser, optional: bool = False) -> None:
     """RUN_DIR, the same way for every command that reads a run."""
     parser.add_argument(
@@ -459,12 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
         "print its shards and parameter count: the check that the files on storage are whole.",
     )
     _run_dir_arg(readback)
-    readback.add_argument(
-        "--step",
-        type=_positive_int,
-        default=None,
-        help="the checkpoint's step (default: the one the postflight verified)",
-    )
+    _step_arg(readback, "the one the postflight verified")
     readback.set_defaults(func=cmd_readback)
     export = sub.add_parser(
         "export-hf",
@@ -474,12 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
         "AutoModelForCausalLM.from_pretrained loads; no Ray, no GPU.",
     )
     _run_dir_arg(export)
-    export.add_argument(
-        "--step",
-        type=_positive_int,
-        default=None,
-        help="the checkpoint's step (default: the newest complete one)",
-    )
+    _step_arg(export, "the newest complete one")
     export.add_argument("--out", required=True, help="the new model directory (must not exist)")
     export.add_argument(
         "--dtype",
@@ -496,12 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
         "asserts. RLinf resumes from it with runner.resume_dir=OUT/global_step_<N>.",
     )
     _run_dir_arg(rlinf)
-    rlinf.add_argument(
-        "--step",
-        type=_positive_int,
-        default=None,
-        help="the checkpoint's step (default: the newest complete one)",
-    )
+    _step_arg(rlinf, "the newest complete one")
     rlinf.add_argument(
         "--out",
         default=None,

@@ -39,7 +39,7 @@ from rlinf_twoworker.storage.checkpoints import (
     read_metadata,
     write_error,
 )
-from rlinf_twoworker.storage.readback import load_dcp
+from rlinf_twoworker.storage.readback import existing_run_dir, load_dcp
 from rlinf_twoworker.storage.rundir import CONFIG_YAML, checkpoint_dir, complete_checkpoint_steps
 
 FSDP_VERSIONS = ("fsdp", "fsdp2")
@@ -90,12 +90,7 @@ def export_rlinf(
     checkpoint of `step` (default: the newest), loadable by RLinf with
     `runner.resume_dir=<out>/global_step_<N>`. fsdp_version: RLinf's
     actor.fsdp_config.strategy (default: the run's)."""
-    run_dir = Path(run_dir).resolve()
-    if not run_dir.is_dir():
-        raise CheckpointReadError(
-            f"run directory {run_dir} does not exist; check the path and that the shared "
-            "storage is mounted on this machine"
-        )
+    run_dir = existing_run_dir(run_dir)
     settings = _run_settings(run_dir)
     version = fsdp_version or settings.strategy
     if version not in FSDP_VERSIONS:

@@ -68,16 +68,23 @@ class Readback:
         ]
 
 
-def readback(
-    run_dir: str | Path, step: int | None = None, batch_bytes: int = BATCH_BYTES
-) -> Readback:
-    """Check and load the checkpoint of step `step` (default: the one verification.json names)."""
+def existing_run_dir(run_dir: str | Path) -> Path:
+    """`run_dir` resolved, for a command that reads a finished run; CheckpointReadError where
+    it is not a directory here."""
     run_dir = Path(run_dir).resolve()
     if not run_dir.is_dir():
         raise CheckpointReadError(
             f"run directory {run_dir} does not exist; check the path and that the shared "
             "storage is mounted on this machine"
         )
+    return run_dir
+
+
+def readback(
+    run_dir: str | Path, step: int | None = None, batch_bytes: int = BATCH_BYTES
+) -> Readback:
+    """Check and load the checkpoint of step `step` (default: the one verification.json names)."""
+    run_dir = existing_run_dir(run_dir)
     verification = _verification(run_dir)
     checkpoint = _choose_checkpoint(run_dir, verification, step)
     if checkpoint.name == Path(verification.get("checkpoint_dir") or "").name:
