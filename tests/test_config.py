@@ -434,14 +434,17 @@ def test_override_value_types():
 
 
 def test_interpolation_override_resolves_at_the_end():
-    cfg = load_config(
-        overrides=[
-            "algorithm.sampling_params.max_new_tokens="
-            "${subtract:${runner.seq_length},${data.max_prompt_length}}",
-            "runner.seq_length=2000",
-        ]
-    )
+    """As on Hydra's command line: a nested interpolation with a ',' in it is quoted (unquoted,
+    Hydra's lexer ends the interpolation at the first '}' and reads a sweep, and refuses it)."""
+    nested = "${subtract:${runner.seq_length},${data.max_prompt_length}}"
+    key = "algorithm.sampling_params.max_new_tokens"
+    cfg = load_config(overrides=[f"{key}='{nested}'", "runner.seq_length=2000"])
     assert to_typed(cfg).max_new_tokens == 2000 - 256
+    with pytest.raises(ConfigError, match=r"is quoted: '\$\{\.\.\.\}'"):
+        load_config(overrides=[f"{key}={nested}"])
+    # One level, commas and all, needs no quotes (Hydra's INTERPOLATION token).
+    cfg = load_config(overrides=["runner.experiment_name=${oc.env:NO_SUCH_VAR_HERE,fallback}"])
+    assert to_typed(cfg).runner.experiment_name == "fallback"
 
 
 # --- RLinf's YAML layout ---------------------------------------------------------------------

@@ -18,6 +18,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from rlinf_twoworker.config.hydra_grammar import HydraSyntaxError, parse_value
 from rlinf_twoworker.errors import ConfigError
 
 
@@ -33,60 +34,6 @@ def register_rlinf_resolvers() -> None:
         OmegaConf.register_resolver("not", lambda a: not a)
 
 
-class _HydraScalarLoader(yaml.SafeLoader):
-    """YAML with Hydra's scalar rules, so a value means what it means on Hydra's command line.
-
-    PyYAML follows YAML 1.1: `0123` is octal 83, `12:30` is 750, `no`/`on` are booleans and
-    `2024-01-01` is a date. Hydra reads all of those as strings (a RUN_ID must not silently
-    become another name), and only `true`/`false` as booleans.
-    """
-
-
-_REPLACED_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float", "timestamp")}
-_HydraScalarLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in _REPLACED_TAGS]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_HydraScalarLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|false)$", re.IGNORECASE), list("tTfF")
-)
-_HydraScalarLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9](?:_?[0-9])*)$"), list("-+0123456789")
-)
-_HydraScalarLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"^[-+]?(?:[0-9](?:_?[0-9])*\.[0-9]*(?:[eE][-+]?[0-9]+)?"
-        r"|\.[0-9]+(?:[eE][-+]?[0-9]+)?"
-        r"|[0-9](?:_?[0-9])*[eE][-+]?[0-9]+)$"
-    ),
-    list("-+0123456789."),
-)
-
-
-def _hydra_value_to_yaml(value: str) -> str:
-    """Hydra writes flow maps without a space after ':' ({a:0,b:1}); YAML needs one.
-
-    Only colons directly inside a flow map get the space: `${subtract:${a},${b}}` is an
-    interpolation and stays as written.
-    """
-    out, quote, braces = [], "", []  # braces: True for a `${` interpolation, False for a map
-    for i, ch in enumerate(value):
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "{":
-            braces.append(value[i - 1 : i] == "$")
-        elif ch == "}" and braces:
-            braces.pop()
-        elif ch == ":" and braces and not braces[-1] and value[i + 1 : i + 2] not in (" ", ""):
-            out.append(": ")
-            continue
-        out.append(ch)
-    return "".join(out)
-
-
 def parse_override(text: str) -> tuple[str, str, Any]:
     """Parse one Hydra override into (kind, key, value); kind is '', '+', '++' or '~'."""
     kind = "++" if text.startswith("++") else text[:1] if text[:1] in "+~" else ""
@@ -99,13 +46,12 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         raise ConfigError(text, text, rule, f"override {text!r} {what}: {rule}")
     if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
         raise ConfigError(key, text, "an override key is dot-separated identifiers")
-    if sep and not raw.strip():
-        return kind, key, ""  # Hydra: `key=` sets the empty string
+    if not sep:
+        return kind, key, None
     try:
-        value = yaml.load(_hydra_value_to_yaml(raw), Loader=_HydraScalarLoader) if sep else None
-    except yaml.YAMLError as exc:
-        raise ConfigError(key, raw, f"value is not valid YAML/Hydra syntax ({exc})") from exc
-    return kind, key, value
+        return kind, key, parse_value(raw)  # Hydra's override grammar; `key=` is ""
+    except HydraSyntaxError as exc:
+        raise ConfigError(key, raw, str(exc)) from None
 
 
 def apply_override(cfg: DictConfig, text: str, given: set[str] | None = None) -> None:
