@@ -13,23 +13,15 @@ import ray
 from _setup import add_arguments, cluster_of, config_of
 
 from rlinf_twoworker import run_grpo_two_worker
-from rlinf_twoworker.results import CheckpointInfo, StepResult
+from rlinf_twoworker.results import STEP_STAGES, CheckpointInfo, StepResult
 
 TIMEOUT_S = 3600.0
-STAGES = (
-    "time/rollout",
-    "time/reward",
-    "time/inference",
-    "time/actor/training",
-    "time/sync_weights",
-)
-"""A step's stages (its other timings are parts of these, or moments: time/at/...)."""
 
 
 @ray.remote(num_cpus=0)
 def summarize(step: StepResult) -> dict[str, float]:
     """Runs on the cluster when the step is done; Ray passes the StepResult itself."""
-    stages = {k: step.timings[k] for k in STAGES if k in step.timings}
+    stages = {k: step.timings[k] for k in STEP_STAGES if k in step.timings}
     slowest = max(stages, key=stages.__getitem__)
     return {
         "step": step.step,

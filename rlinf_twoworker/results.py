@@ -6,6 +6,16 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+STEP_STAGES = (
+    "time/rollout",
+    "time/reward",
+    "time/inference",
+    "time/actor/training",
+    "time/sync_weights",
+)
+"""A step's stages in StepResult.timings; its other timings are parts of these, the whole step
+(time/step), or moments (time/at/...)."""
+
 
 @dataclass
 class StepResult:

@@ -9,14 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from rlinf_twoworker.results import STEP_STAGES
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-STAGES = (
-    "time/rollout",
-    "time/reward",
-    "time/inference",
-    "time/actor/training",
-    "time/sync_weights",
-)
 TIMEOUT = 600
 
 
@@ -79,7 +74,7 @@ def test_embed_example_feeds_step_futures_to_its_own_tasks(cluster_2x2, tmp_path
     assert len(summaries) == 2 and "'step': 1" in summaries[0] and "'step': 2" in summaries[1]
     for line in summaries:  # the slowest of the step's stages, not a moment (time/at/...)
         summary = ast.literal_eval(line.removeprefix("EMBED_SUMMARY "))
-        assert summary["slowest_stage"] in STAGES and 0 < summary["slowest_stage_share"] <= 1
+        assert summary["slowest_stage"] in STEP_STAGES and 0 < summary["slowest_stage_share"] <= 1
     assert any(line.startswith("EMBED_TREND reward_change=") for line in out)
     shard_bytes = next(line for line in out if line.startswith("EMBED_CHECKPOINT shard_bytes="))
     assert int(shard_bytes.split("=")[1]) > 0

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rlinf_twoworker.errors import TwoWorkerError
+from rlinf_twoworker.results import STEP_STAGES
 from rlinf_twoworker.storage.metrics import event_files, read_scalars, tensorboard_dir
 from rlinf_twoworker.storage.rundir import DRIVER_LOG
 
@@ -23,14 +24,7 @@ REWARD = "rollout/reward_scores"
 LOSS = "actor/training/actor/final_loss"
 GRAD_NORM = "actor/training/actor/grad_norm"
 LR = "actor/training/actor/lr"
-STAGES = (
-    "time/rollout",
-    "time/reward",
-    "time/inference",
-    "time/actor/training",
-    "time/sync_weights",
-    "time/step",
-)
+STAGES = (*STEP_STAGES, "time/step")
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", (REWARD,)),
     ("loss", (LOSS,)),
