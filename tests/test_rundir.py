@@ -73,8 +73,9 @@ def test_creation_writes_resolved_config_and_logs(tmp_path: Path):
 def test_resolved_config_keeps_interpolated_values(tmp_path: Path):
     cfg, overrides = make_cfg(
         tmp_path,
+        # quoted, as Hydra needs a nested interpolation with a ',' to be
         "algorithm.sampling_params.max_new_tokens="
-        "${subtract:${runner.seq_length},${data.max_prompt_length}}",
+        "'${subtract:${runner.seq_length},${data.max_prompt_length}}'",
     )
     run_dir = create_run_dir(cfg, to_typed(cfg), overrides)
     resolved = OmegaConf.load(run_dir / "hydra/.hydra/config.yaml")
