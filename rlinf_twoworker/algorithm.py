@@ -57,17 +57,22 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return masked_sum(x, mask, dim) / count.clamp(min=1.0)
 
 
-def normalize_advantages(advantages: Tensor, mask: Tensor, eps: float = 1e-5) -> Tensor:
-    """RLinf's `algorithm.normalize_advantages`: token-level advantages whitened over the valid
-    tokens of the whole batch, (A - mean) / (sqrt(biased var) + eps), in float64."""
-    valid = mask.bool()
-    values = advantages.double()[valid]
+def normalize_advantages(
+    advantages: list[Tensor], masks: list[Tensor], eps: float = 1e-5
+) -> list[Tensor]:
+    """RLinf's `algorithm.normalize_advantages` (its masked_normalization): token-level
+    advantages whitened, (A - mean) / (sqrt(biased var) + eps) in float64, the statistics over
+    the valid tokens of every part, so padding never enters them. The parts are a step's chunks,
+    each with its own answer width; one part is the whole batch. Padding stays 0."""
+    values = torch.cat([a.double()[m.bool()] for a, m in zip(advantages, masks)])
     if values.numel() == 0:
         return advantages
     mean = values.mean()
-    var = (values - mean).square().mean()
-    out = (advantages.double() - mean) / (var.sqrt() + eps)
-    return (out * valid).to(advantages.dtype)
+    std = (values - mean).square().mean().sqrt()
+    return [
+        ((a.double() - mean) / (std + eps) * m.bool()).to(a.dtype)
+        for a, m in zip(advantages, masks)
+    ]
 
 
 def _logprobs_entropy(logits: Tensor, labels: Tensor, temperature: float) -> tuple[Tensor, Tensor]:

@@ -307,7 +307,7 @@ def test_kl_term_is_added_with_its_weight():
 def test_normalize_advantages_whitens_valid_tokens_only():
     adv = torch.tensor([[1.0, 1.0, 9.0], [-1.0, 9.0, 9.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    out = normalize_advantages(adv, mask)
+    (out,) = normalize_advantages([adv], [mask])
     # valid values 1, 1, -1: mean 1/3, biased std sqrt(8/9)
     std = math.sqrt(8 / 9)
     expected = torch.tensor(

@@ -23,7 +23,6 @@ from rlinf_twoworker.run.chunks import (
     minibatch_rows,
     plan_chunks,
     split_for_actors,
-    whiten,
 )
 from rlinf_twoworker.workers.rollout import RolloutWorker
 
@@ -126,15 +125,11 @@ def test_whitening_chunks_of_different_widths_is_whitening_the_repadded_step():
     gen = torch.Generator().manual_seed(0)
     masks = [torch.tensor([[1, 1, 0], [1, 0, 0]]), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])]
     advs = [torch.randn(m.shape, generator=gen) * m for m in masks]
-    whole = normalize_advantages(
-        torch.cat([_padded(a, 5) for a in advs]), torch.cat([_padded(m, 5) for m in masks])
+    (whole,) = normalize_advantages(
+        [torch.cat([_padded(a, 5) for a in advs])], [torch.cat([_padded(m, 5) for m in masks])]
     )
-    parts = whiten(advs, masks)
+    parts = normalize_advantages(advs, masks)
     torch.testing.assert_close(torch.cat([_padded(p, 5) for p in parts]), whole)
-    # One chunk: exactly the library's whitening.
-    torch.testing.assert_close(
-        whiten(advs[1:], masks[1:])[0], normalize_advantages(advs[1], masks[1])
-    )
 
 
 def test_a_chunk_padded_wider_gets_the_same_loss_weights():

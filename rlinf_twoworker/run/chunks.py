@@ -156,22 +156,6 @@ def chunk_advantages(cfg: GRPOConfig, rewards: torch.Tensor, mask: torch.Tensor)
     return per_answer.unsqueeze(-1) * mask.to(per_answer.dtype)
 
 
-def whiten(advantages: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:
-    """algorithm.normalize_advantages over every valid token of the step, whose chunks have
-    their own answer widths: RLinf's masked_normalization ((A - mean) / (sqrt(biased var) +
-    1e-5), in float64, as algorithm.normalize_advantages), the statistics over the valid tokens
-    of all chunks, so padding never enters them."""
-    values = torch.cat([a.double()[m.bool()] for a, m in zip(advantages, masks)])
-    if values.numel() == 0:
-        return advantages
-    mean = values.mean()
-    std = (values - mean).square().mean().sqrt()
-    return [
-        ((a.double() - mean) / (std + 1e-5) * m.bool()).to(a.dtype)
-        for a, m in zip(advantages, masks)
-    ]
-
-
 _NOT_MEANS = (
     "ratio_max",
     "lr",

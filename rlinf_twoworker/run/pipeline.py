@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlinf_twoworker.algorithm import normalize_advantages
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.engines.models import SequenceBatch
 from rlinf_twoworker.messages import ActorShard, Graded, LogProbs, PromptRow, Rollout, TrainStats
@@ -31,7 +32,6 @@ from rlinf_twoworker.run.chunks import (
     chunk_advantages,
     chunk_shards,
     merge_train_stats,
-    whiten,
 )
 from rlinf_twoworker.run.group import ComponentGroup, gather_fail_fast
 
@@ -134,7 +134,7 @@ async def logprobs(
 def _advantages(cfg: GRPOConfig, done: list[ChunkResult]) -> list[torch.Tensor]:
     advs = [chunk_advantages(cfg, c.rewards, c.rollout.batch.response_mask) for c in done]
     if cfg.algorithm.normalize_advantages:
-        return whiten(advs, [c.rollout.batch.response_mask for c in done])
+        return normalize_advantages(advs, [c.rollout.batch.response_mask for c in done])
     return advs
 
 
