@@ -3,6 +3,8 @@ must agree on."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -89,3 +91,60 @@ class TrainStats:
     @property
     def forward_backward_seconds(self) -> float:
         return self.seconds - self.optimizer_seconds
+
+    @classmethod
+    def merge(cls, parts: list[TrainStats]) -> TrainStats:
+        """One rank's step from its updates of the step's parts (a pipelined step updates
+        chunk by chunk; one TrainStats each, in training order): the metrics of all their
+        minibatches combined by `step_metrics`, as one call over every minibatch gives them,
+        with each call's own figures (offload seconds summed, memory figures their largest);
+        tokens and seconds summed."""
+        minibatches = [m for p in parts for m in p.minibatches]
+        metrics = step_metrics(minibatches)
+        for key in parts[0].metrics.keys() - metrics.keys():
+            values = [p.metrics[key] for p in parts]
+            metrics[key] = sum(values) if key == "offload_seconds" else max(values)
+        return cls(
+            metrics=metrics,
+            trained_tokens=sum(p.trained_tokens for p in parts),
+            seconds=sum(p.seconds for p in parts),
+            optimizer_seconds=sum(p.optimizer_seconds for p in parts),
+            minibatches=minibatches,
+        )
+
+
+NOT_METRICS = ("tokens", "optimizer_seconds")
+"""A minibatch's figures that are TrainStats fields (trained_tokens, optimizer_seconds)."""
+
+
+def step_metrics(minibatches: Sequence[dict[str, float]]) -> dict[str, float]:
+    """A step's actor metrics from its minibatches' (in training order), as RLinf's step values
+    are the mean over the minibatches it logs one by one. Each metric is the mean, except:
+    ratio_max, the largest; logprob_diff_max, the first minibatch's (measured before the step's
+    first update); skipped_steps, summed; lr and loss_scale, the last (after the step's last
+    update); grad_norm, `mean_grad_norm`. The one rule, for one call and for a step's chunks."""
+    first = minibatches[0]
+    special = {
+        "ratio_max": max(m["ratio_max"] for m in minibatches),
+        "skipped_steps": sum(m["skipped_steps"] for m in minibatches),
+        "lr": minibatches[-1]["lr"],
+    }
+    if "logprob_diff_max" in first:
+        special["logprob_diff_max"] = first["logprob_diff_max"]
+    if "grad_norm" in first:
+        special["grad_norm"] = mean_grad_norm([m["grad_norm"] for m in minibatches])
+    if "loss_scale" in minibatches[-1]:
+        special["loss_scale"] = minibatches[-1]["loss_scale"]
+    means = {
+        k: sum(m[k] for m in minibatches) / len(minibatches)
+        for k in first
+        if k not in special and k not in NOT_METRICS
+    }
+    return {**means, **special}
+
+
+def mean_grad_norm(norms: Sequence[float]) -> float:
+    """A step's grad_norm over its minibatches: the mean of those that stepped (a skipped
+    minibatch's norm is inf or nan; skipped_steps counts it), the plain mean when none did."""
+    kept = [n for n in norms if math.isfinite(n)] or list(norms)
+    return sum(kept) / len(kept)

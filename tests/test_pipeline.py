@@ -4,6 +4,7 @@ stages overlap."""
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -16,10 +17,9 @@ from rlinf_twoworker.algorithm import group_advantages, normalize_advantages
 from rlinf_twoworker.api.demo import demo_config, make_inputs
 from rlinf_twoworker.config import load_config, to_typed
 from rlinf_twoworker.engines.models import SequenceBatch
-from rlinf_twoworker.messages import TrainStats
+from rlinf_twoworker.messages import TrainStats, step_metrics
 from rlinf_twoworker.run.chunks import (
     chunk_advantages,
-    merge_train_stats,
     minibatch_rows,
     plan_chunks,
     split_for_actors,
@@ -149,18 +149,31 @@ def test_a_chunk_padded_wider_gets_the_same_loss_weights():
 
 
 def test_per_minibatch_updates_sum_up_as_one_train_step():
-    def stats(loss: float, ratio: float, diff: float, skipped: float, lr: float) -> TrainStats:
-        metrics = dict(
-            final_loss=loss, ratio_max=ratio, logprob_diff_max=diff, skipped_steps=skipped, lr=lr
-        )
-        return TrainStats(metrics, trained_tokens=10.0, seconds=2.0, optimizer_seconds=0.5)
+    first = dict(final_loss=1.0, ratio_max=1.5, skipped_steps=0.0, lr=1e-3, grad_norm=2.0)
+    first.update(logprob_diff_max=0.1, tokens=10.0)  # the diff: measured in the first only
+    second = dict(final_loss=3.0, ratio_max=1.2, skipped_steps=1.0, lr=2e-3, grad_norm=math.inf)
+    second.update(tokens=10.0)  # an overflow: skipped, its norm not finite
 
-    merged = merge_train_stats([stats(1.0, 1.5, 0.1, 0, 1e-3), stats(3.0, 1.2, 0.4, 1, 2e-3)])
+    def call(minibatch: dict[str, float]) -> TrainStats:  # one update, as the actor reports it
+        return TrainStats(
+            {**step_metrics([minibatch]), "offload_seconds": 0.25}, 10, 2, 0.5, [minibatch]
+        )
+
+    merged = TrainStats.merge([call(first), call(second)])
     assert merged.metrics == dict(
-        final_loss=2.0, ratio_max=1.5, logprob_diff_max=0.1, skipped_steps=1, lr=2e-3
+        final_loss=2.0,
+        ratio_max=1.5,
+        logprob_diff_max=0.1,
+        skipped_steps=1.0,
+        lr=2e-3,
+        grad_norm=2.0,  # of the minibatch that stepped
+        offload_seconds=0.5,
     )
     assert (merged.trained_tokens, merged.seconds, merged.optimizer_seconds) == (20.0, 4.0, 1.0)
     assert merged.forward_backward_seconds == 3.0
+    # One call over both minibatches gives the same metrics.
+    del merged.metrics["offload_seconds"]
+    assert step_metrics([first, second]) == merged.metrics
 
 
 # ---- a pipelined run on a 2 x 2 cluster equals the sequential one -----------------------------

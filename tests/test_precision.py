@@ -25,10 +25,10 @@ from rlinf_twoworker.config import (
     precision_warning,
     to_typed,
 )
-from rlinf_twoworker.engines.grad_scaler import build_grad_scaler, clip_and_step, mean_grad_norm
+from rlinf_twoworker.engines.grad_scaler import build_grad_scaler, clip_and_step
 from rlinf_twoworker.engines.models import SequenceBatch, load_causal_lm, response_logprobs
 from rlinf_twoworker.errors import ConfigError
-from rlinf_twoworker.messages import ActorShard
+from rlinf_twoworker.messages import ActorShard, mean_grad_norm
 from rlinf_twoworker.run.step import split_for_actors
 from rlinf_twoworker.storage.safe_dcp import unpickle_metadata
 from rlinf_twoworker.workers.actor import ActorWorker, prepare_for_training

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,10 +56,3 @@ def clip_and_step(
 def loss_scale(scaler: Any) -> float | None:
     """The scale the next backward pass uses; None when loss scaling is off."""
     return float(scaler.get_scale()) if scaler.is_enabled() else None
-
-
-def mean_grad_norm(norms: Sequence[float]) -> float:
-    """A step's grad_norm over its minibatches: the mean of those that stepped (a skipped
-    minibatch's norm is inf or nan; skipped_steps counts it), the plain mean when none did."""
-    kept = [n for n in norms if math.isfinite(n)] or list(norms)
-    return sum(kept) / len(kept)

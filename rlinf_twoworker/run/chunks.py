@@ -19,9 +19,8 @@ import torch
 
 from rlinf_twoworker.algorithm import group_advantages, loss_weights
 from rlinf_twoworker.config import GRPOConfig
-from rlinf_twoworker.engines.grad_scaler import mean_grad_norm
 from rlinf_twoworker.engines.models import SequenceBatch
-from rlinf_twoworker.messages import ActorShard, TrainStats
+from rlinf_twoworker.messages import ActorShard
 
 
 @dataclass(frozen=True)
@@ -154,46 +153,3 @@ def chunk_advantages(cfg: GRPOConfig, rewards: torch.Tensor, mask: torch.Tensor)
     so they equal the whole step's."""
     per_answer = group_advantages(rewards, cfg.algorithm.group_size)
     return per_answer.unsqueeze(-1) * mask.to(per_answer.dtype)
-
-
-_NOT_MEANS = (
-    "ratio_max",
-    "lr",
-    "logprob_diff_max",
-    "skipped_steps",
-    "offload_seconds",
-    "loss_scale",
-    "grad_norm",
-)
-
-
-def merge_train_stats(parts: list[TrainStats]) -> TrainStats:
-    """One rank's step from its per-minibatch updates (one TrainStats each, in minibatch
-    order), summed up as the actor's train_step sums up the minibatches of one call: means,
-    the largest ratio, the first minibatch's log-prob difference, skipped steps added up, the
-    last lr, each minibatch's own metrics in order; the same floats as one call over every
-    minibatch."""
-    first = parts[0].metrics
-    metrics = {
-        k: sum(p.metrics[k] for p in parts) / len(parts) for k in first if k not in _NOT_MEANS
-    }
-    metrics.update(
-        ratio_max=max(p.metrics["ratio_max"] for p in parts),
-        skipped_steps=sum(p.metrics["skipped_steps"] for p in parts),
-        lr=parts[-1].metrics["lr"],
-    )
-    if "grad_norm" in first:  # over the minibatches that stepped (an overflow's is not finite)
-        metrics["grad_norm"] = mean_grad_norm([p.metrics["grad_norm"] for p in parts])
-    if "offload_seconds" in first:
-        metrics["offload_seconds"] = sum(p.metrics["offload_seconds"] for p in parts)
-    if "loss_scale" in first:  # the scale after the last update
-        metrics["loss_scale"] = parts[-1].metrics["loss_scale"]
-    if "logprob_diff_max" in first:
-        metrics["logprob_diff_max"] = first["logprob_diff_max"]
-    return TrainStats(
-        metrics=metrics,
-        trained_tokens=sum(p.trained_tokens for p in parts),
-        seconds=sum(p.seconds for p in parts),
-        optimizer_seconds=sum(p.optimizer_seconds for p in parts),
-        minibatches=[m for p in parts for m in p.minibatches],
-    )

@@ -31,7 +31,6 @@ from rlinf_twoworker.run.chunks import (
     Chunk,
     chunk_advantages,
     chunk_shards,
-    merge_train_stats,
 )
 from rlinf_twoworker.run.group import ComponentGroup, gather_fail_fast
 
@@ -261,7 +260,7 @@ async def run_pipelined(
                     )
                 )
         marks.last("update_done")
-        return advs, [merge_train_stats([mb[r] for mb in per_minibatch]) for r in range(ranks)]
+        return advs, [TrainStats.merge([mb[r] for mb in per_minibatch]) for r in range(ranks)]
 
     *done, (advs, trained) = await gather_fail_fast([*flowing, train()])
     return Ran(done, advs, trained)

@@ -26,7 +26,6 @@ from rlinf_twoworker.engines.grad_scaler import (
     build_grad_scaler,
     clip_and_step,
     loss_scale,
-    mean_grad_norm,
 )
 from rlinf_twoworker.engines.models import (
     DTYPES,
@@ -38,7 +37,7 @@ from rlinf_twoworker.engines.models import (
 )
 from rlinf_twoworker.engines.offload import ActorOffload
 from rlinf_twoworker.engines.weight_sync import export_weights, send_weights
-from rlinf_twoworker.messages import ActorShard, TrainStats
+from rlinf_twoworker.messages import ActorShard, TrainStats, step_metrics
 from rlinf_twoworker.storage import checkpoints
 from rlinf_twoworker.workers.base import Worker
 
@@ -386,28 +385,8 @@ class ActorWorker(Worker):
         results = [self._minibatch_or_eager(s, i == 0) for i, s in enumerate(shards)]
         if self.cfg.offloads:  # as RLinf: the optimiser state leaves before the sync
             self.offloader.offload_optimizer()
-        special = (
-            "ratio_max",
-            "lr",
-            "tokens",
-            "optimizer_seconds",
-            "logprob_diff_max",
-            "loss_scale",
-            "grad_norm",
-        )
-        metrics = {
-            k: sum(r[k] for r in results) / len(results) for k in results[0] if k not in special
-        }
-        metrics.update(
-            ratio_max=max(r["ratio_max"] for r in results),
-            logprob_diff_max=results[0]["logprob_diff_max"],
-            skipped_steps=sum(r["skipped_steps"] for r in results),
-            grad_norm=mean_grad_norm([r["grad_norm"] for r in results]),
-            lr=results[-1]["lr"],
-            offload_seconds=self.offloader.take_seconds(),
-        )
-        if "loss_scale" in results[-1]:  # after the step's last update
-            metrics["loss_scale"] = results[-1]["loss_scale"]
+        metrics = step_metrics(results)
+        metrics["offload_seconds"] = self.offloader.take_seconds()
         if self.device.type == "cuda":  # what the weight sync and the other stages find held
             gib = 1024**3
             metrics["gpu_reserved_after_update_gib"] = torch.cuda.memory_reserved(self.device) / gib
