@@ -1018,6 +1018,26 @@ class GRPOConfig:
             and self.runner.val_check_interval > 0
         )
 
+    def micro_batch_rows(self, training: bool, width: int, cut: int | None = None) -> int:
+        """Rows of one compute micro-batch of `width`-token rows, the one cut rule of both
+        passes (the loss weights do not depend on it). The actor's update (`training`, one
+        rank's minibatch): as many rows as fit in runner.max_tokens_per_mbs (at least one)
+        under dynamic batch size, else in runner.micro_batch_tokens, at least
+        algorithm.training_batch_size_per_gpu. The log-prob forward: as many as fit in
+        runner.logprob_micro_batch_tokens, at least algorithm.logprob_forward_micro_batch_size.
+        A token cut of 0 leaves the RLinf key's row count alone; `cut` stands for the settled
+        token cut (the memory plan tries several)."""
+        runner, algo = self.runner, self.algorithm
+        if training:
+            least = algo.training_batch_size_per_gpu
+            if runner.enable_dynamic_batch_size:
+                return max(1, runner.max_tokens_per_mbs // max(width, 1))
+            tokens = runner.actor_cut_tokens if cut is None else cut
+        else:
+            least = algo.logprob_forward_micro_batch_size
+            tokens = runner.logprob_cut_tokens if cut is None else cut
+        return max(least, tokens // max(width, 1)) if tokens else least
+
     @property
     def max_new_tokens(self) -> int:
         configured = self.algorithm.sampling_params.max_new_tokens

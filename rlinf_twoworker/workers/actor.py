@@ -45,16 +45,8 @@ T = TypeVar("T")
 
 
 def micro_batches(cfg: GRPOConfig, rows: int, width: int) -> list[slice]:
-    """Row slices of one rank's minibatch, the compute cut (the loss weights do not depend on
-    it): as many rows as fit in runner.max_tokens_per_mbs (at least one) with dynamic batch
-    size; else as many as fit in runner.micro_batch_tokens, at least
-    training_batch_size_per_gpu; with micro_batch_tokens=0, training_batch_size_per_gpu."""
-    runner = cfg.runner
-    size = cfg.algorithm.training_batch_size_per_gpu
-    if runner.enable_dynamic_batch_size:
-        size = max(1, runner.max_tokens_per_mbs // max(width, 1))
-    elif runner.actor_cut_tokens:
-        size = max(size, runner.actor_cut_tokens // max(width, 1))
+    """Row slices of one rank's minibatch of `width`-token rows (GRPOConfig.micro_batch_rows)."""
+    size = cfg.micro_batch_rows(True, width)
     return [slice(begin, begin + size) for begin in range(0, rows, size)]
 
 

@@ -80,10 +80,7 @@ class InferenceWorker(PolicyCopy):
         self.fused = False
 
     def _logprobs(self, batch: SequenceBatch) -> torch.Tensor:
-        micro = self.cfg.algorithm.logprob_forward_micro_batch_size
-        if self.cfg.runner.logprob_cut_tokens:
-            width = batch.input_ids.shape[1]
-            micro = max(micro, self.cfg.runner.logprob_cut_tokens // max(width, 1))
+        micro = self.cfg.micro_batch_rows(False, batch.input_ids.shape[1])
         trim = self.cfg.runner.trim_padding_multiple
         parts = []
         for begin in range(0, len(batch), micro):
