@@ -35,6 +35,10 @@ class StepResult:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def scalars(self) -> dict[str, float]:
+        """Its metrics and timings in one mapping, by TensorBoard tag (what a step logs)."""
+        return {**self.metrics, **self.timings}
+
     def __repr__(self) -> str:
         """A line a person reads: the step, its reward, loss and seconds, and how much more
         the fields hold (`metrics`, `timings`, `startup`, `minibatches`; to_dict() has all)."""

@@ -191,7 +191,7 @@ def _report_steps(tune: Any, handle: RunHandle, typed: GRPOConfig, first: int, t
             steps = int(handle.status().get("total_steps") or steps)
             saved = set(ckpt.scheduled_steps(typed, steps))
         info = ray.get(handle.checkpoint(step), timeout=timeout) if step in saved else None
-        metrics: dict[str, Any] = {**result.metrics, **result.timings, "step": step}
+        metrics: dict[str, Any] = {**result.scalars(), "step": step}
         if step == steps:
             metrics["verification_passed"] = _verified(handle, timeout, typed)
         if info is None:

@@ -18,6 +18,7 @@ import importlib
 import os
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -42,11 +43,20 @@ from rlinf_twoworker.cluster.placement import (
 from rlinf_twoworker.config import GRPOConfig, config_notes, precision_warning
 from rlinf_twoworker.errors import RunCancelledError, TwoWorkerError
 from rlinf_twoworker.results import CheckpointInfo, StepResult
-from rlinf_twoworker.run import lifecycle, ray_metrics
+from rlinf_twoworker.run import lifecycle
 from rlinf_twoworker.run.group import ComponentGroup
 from rlinf_twoworker.run.liveness import Watch, liveness_error, root_cause
+from rlinf_twoworker.run.observers import (
+    MemoryMetrics,
+    RayMetrics,
+    RunObserver,
+    StartupRecord,
+    StepLine,
+    TensorBoard,
+)
 from rlinf_twoworker.run.startup import StartupClock
 from rlinf_twoworker.run.storage_io import StorageIO
+from rlinf_twoworker.run.tasks import background
 from rlinf_twoworker.storage import checkpoints as ckpt
 from rlinf_twoworker.storage.data import (
     PromptSampler,
@@ -54,8 +64,6 @@ from rlinf_twoworker.storage.data import (
     load_jsonl,
     validation_samples,
 )
-from rlinf_twoworker.storage.metrics import MetricsWriter
-from rlinf_twoworker.storage.rlinf_scalars import RlinfLayout
 from rlinf_twoworker.storage.rollouts import write_rollouts
 
 TRAINING_MODULES = (
@@ -111,6 +119,16 @@ def fresh_error(root: BaseException) -> BaseException:
     return fresh
 
 
+@dataclass
+class _Inputs:
+    """What every step of the run loop reads: the tokenizer, the prompt sampler, the encoded
+    validation prompts."""
+
+    tokenizer: Any
+    sampler: PromptSampler
+    val_prompts: Any
+
+
 class RunController:
     def __init__(
         self,
@@ -146,6 +164,7 @@ class RunController:
         self.callers_group = callers_group
         self.task: asyncio.Task | None = None
         self.state = "pending"
+        self.ray_metrics = RayMetrics(self.run_id)  # an observer from the start: states too
         self.phase = "starting"
         self.current_step = 0
         self.steps_done = 0
@@ -273,8 +292,7 @@ class RunController:
         watchdog = asyncio.get_running_loop().create_task(self._watchdog())
         failure: tuple[BaseException, str] | None = None
         try:
-            self.state = "running"
-            ray_metrics.export_state(self.run_id, self.state)
+            self._set_state("running")
             for note in config_notes(self.raw_cfg, self.cfg):
                 self.log.info(f"CONFIG_NOTE {note}")
             if (mismatch := precision_warning(self.cfg)) is not None:
@@ -283,8 +301,7 @@ class RunController:
             await self._train()
             watchdog.cancel()  # before the components are released on purpose
             report = await self._finish()
-            self.state = "succeeded" if report.passed else "failed"
-            ray_metrics.export_state(self.run_id, self.state)
+            self._set_state("succeeded" if report.passed else "failed")
             self.phase = "done"
             self.result_f.set(report)
         except asyncio.CancelledError:
@@ -308,64 +325,32 @@ class RunController:
                     await self._fail(*failure)
 
     async def _setup(self) -> None:
-        from rlinf_twoworker.cluster.preflight import Beside, preflight
-        from rlinf_twoworker.cluster.probe import NodeProbe
-
-        cfg, timeouts, clock = self.cfg, self.cfg.runner.timeouts, self.clock
-        placement = cfg.placement
-        name = ray_name(self.run_dir, "pg")
+        """Everything before the first step, in order: the placement group; the components'
+        processes started beside the preflight; the data; the memory plan; the models loaded;
+        process groups, restore and the first weight sync. Each phase is timed (run/startup.py)
+        and shown in status()'s phase."""
+        clock = self.clock
         self.phase = "placement"
         with clock.phase("placement"):
-            if self.callers_group is not None:  # the caller's: never ours to remove
-                pg = self.callers_group
-                self.log.info(f"PLACEMENT_GROUP the caller's {pg.id.hex()[:8]} (not removed)")
-            else:
-                self.pg = pg = request_placement_group(cfg.cluster, name)  # release finds it
-            try:
-                await asyncio.wait_for(pg.ready(), timeouts.placement_s)
-            except asyncio.TimeoutError:
-                raise placement_timeout_error(cfg.cluster, name, timeouts.placement_s) from None
-        self.pg = pg
+            self.pg = await self._place()
         places = await asyncio.to_thread(_bundle_places, self.pg)
         self.bundle_nodes = [p["node_id"] for p in places]
         self.placement_f.set(self.pg)
         self.phase = "preflight"
-        probe = (self.classes or {}).get("probe", NodeProbe)  # tests inject a slow one
         # The components' processes start now, beside the preflight's probes (a process
         # takes seconds to import torch and transformers); their models load only after the
         # preflight and the memory plan have passed.
         group = ComponentGroup(
-            cfg, self.run_id, placement, self.pg, self.classes, bundle_nodes=places
+            self.cfg, self.run_id, self.cfg.placement, self.pg, self.classes, bundle_nodes=places
         )
         self.group, self.watch = group, Watch(group)  # set first: release, watchdog find it
         self.components_began = time.time()
         group.start()
         # Then the threads: their imports (torch, transformers) hold the interpreter for seconds.
-        self.imports = asyncio.ensure_future(asyncio.to_thread(_import_training))
-        self.imports.add_done_callback(lambda t: t.cancelled() or t.exception())  # awaited later
-        shapes = asyncio.ensure_future(asyncio.to_thread(model_shapes, cfg))  # alongside
-        shapes.add_done_callback(lambda t: t.cancelled() or t.exception())  # read below
-        self.tokenizer = asyncio.ensure_future(
-            asyncio.to_thread(_load_tokenizer, cfg.tokenizer_path)
-        )
-        self.tokenizer.add_done_callback(lambda t: t.cancelled() or t.exception())  # _train's
-        placed = asyncio.ensure_future(self._placed(group))
-        placed.add_done_callback(lambda t: t.cancelled() or t.exception())  # the preflight's
-        beside = Beside(group.bundles_with_gpus(), placed)
-        try:
-            with clock.phase("preflight"):
-                report = await preflight(
-                    cfg, self.pg, self.run_dir, self.log.status, probe_cls=probe, beside=beside
-                )
-        finally:
-            placed.cancel()  # a no-op once done
-        self.preflight_f.set(report)
-        for node in report.nodes:  # where the preflight's time went, node by node
-            for check, seconds in (node.get("seconds") or {}).items():
-                clock.record(f"preflight/node{node['node_rank']}/{check}", seconds)
-            lifecycle.log_bytecode_cache(self.log, node.get("bytecode_cache"))
-        if report.collective is not None and "seconds" in report.collective:
-            clock.record("preflight/collective", report.collective["seconds"])
+        self.imports = background(asyncio.to_thread(_import_training))  # awaited later
+        shapes = background(asyncio.to_thread(model_shapes, self.cfg))  # read by the plan
+        self.tokenizer = background(asyncio.to_thread(_load_tokenizer, self.cfg.tokenizer_path))
+        report = await self._preflight(group)
         self.phase = "loading data"
         with clock.phase("data"):
             await self._load_data()  # bad data fails the run here, before any model is loaded
@@ -373,18 +358,16 @@ class RunController:
         with clock.phase("memory_plan"):  # refused here, before any model loads
             self.memory_plan = await self._plan_memory(shapes, report.nodes, group.gpu_of())
         self.phase = "loading components"
-        components_start = time.perf_counter()
-        await group.load()  # every component loads its model in parallel (the actor's included)
-        clock.record("components", time.perf_counter() - components_start)
+        with clock.phase("components"):
+            await group.load()  # every component loads its model in parallel
         self.components_ready = True
         # Records only: beside the process groups and the sync, not before them (a
         # component answers after its preparation, which the sync does not wait for).
-        recorded = asyncio.ensure_future(
-            lifecycle.log_startup(group, cfg, self.clock, self.log, self.components_began)
+        recorded = background(
+            lifecycle.log_startup(group, self.cfg, clock, self.log, self.components_began)
         )
-        recorded.add_done_callback(lambda t: t.cancelled() or t.exception())  # awaited below
-        if cfg.runner.per_worker_log:
-            await lifecycle.attach_worker_logs(group, cfg, self.run_dir)
+        if self.cfg.runner.per_worker_log:
+            await lifecycle.attach_worker_logs(group, self.cfg, self.run_dir)
         await self._prepare_training(group)
         await recorded
         for row in group.topology():
@@ -392,6 +375,47 @@ class RunController:
                 f"COMPONENT {row.component}:{row.rank} bundle={row.bundle} "
                 f"node={row.node_id[:8]} ip={row.node_ip} gpus={row.gpu_ids}"
             )
+
+    async def _place(self) -> Any:
+        """The run's placement group once ready: the caller's (never ours to remove) or a new
+        one (cluster/placement.py); refused after runner.timeouts.placement_s."""
+        cfg, timeout = self.cfg, self.cfg.runner.timeouts.placement_s
+        name = ray_name(self.run_dir, "pg")
+        if self.callers_group is not None:
+            pg = self.callers_group
+            self.log.info(f"PLACEMENT_GROUP the caller's {pg.id.hex()[:8]} (not removed)")
+        else:
+            self.pg = pg = request_placement_group(cfg.cluster, name)  # release finds it
+        try:
+            await asyncio.wait_for(pg.ready(), timeout)
+        except asyncio.TimeoutError:
+            raise placement_timeout_error(cfg.cluster, name, timeout) from None
+        return pg
+
+    async def _preflight(self, group: ComponentGroup) -> Any:
+        """Each node's probe pinned to its bundle (cluster/preflight.py), beside the components'
+        start; its report resolves wait_preflight, its seconds go to the start-up clock."""
+        from rlinf_twoworker.cluster.preflight import Beside, preflight
+        from rlinf_twoworker.cluster.probe import NodeProbe
+
+        probe = (self.classes or {}).get("probe", NodeProbe)  # tests inject a slow one
+        placed = background(self._placed(group))
+        beside = Beside(group.bundles_with_gpus(), placed)
+        try:
+            with self.clock.phase("preflight"):
+                report = await preflight(
+                    self.cfg, self.pg, self.run_dir, self.log.status, probe_cls=probe, beside=beside
+                )
+        finally:
+            placed.cancel()  # a no-op once done
+        self.preflight_f.set(report)
+        for node in report.nodes:  # where the preflight's time went, node by node
+            for check, seconds in (node.get("seconds") or {}).items():
+                self.clock.record(f"preflight/node{node['node_rank']}/{check}", seconds)
+            lifecycle.log_bytecode_cache(self.log, node.get("bytecode_cache"))
+        if report.collective is not None and "seconds" in report.collective:
+            self.clock.record("preflight/collective", report.collective["seconds"])
+        return report
 
     async def _placed(self, group: ComponentGroup) -> dict[int, list[str]]:
         """The components' first answers (group.wait_placed), timed from the request: the
@@ -482,8 +506,7 @@ class RunController:
 
     async def _prepare_training(self, group: ComponentGroup) -> None:
         """Process groups and the actor's build, its restore when resuming, the first sync."""
-        joined = asyncio.ensure_future(lifecycle.join_process_groups(group, self.cfg, self.clock))
-        joined.add_done_callback(lambda t: t.cancelled() or t.exception())  # awaited next
+        joined = background(lifecycle.join_process_groups(group, self.cfg, self.clock))
         if self.imports is not None:  # done long before, unless the preflight was very quick
             self.clock.record("controller_imports", await self.imports)
         await joined
@@ -504,17 +527,56 @@ class RunController:
             self.warm_up.start(group, self.cfg, self.log)
 
     async def _train(self) -> None:
+        """The run loop: this run's steps, its observers (run/observers.py) called at their
+        points, each step's future set once its metrics are complete, its checkpoint saved."""
         from rlinf_twoworker.run import checkpointing  # imported already (_prepare_training)
-        from rlinf_twoworker.run.step import prompt_rows, run_step, validate
 
-        cfg, group, source = self.cfg, self.group, self.resume_from
+        group, cfg = self.group, self.cfg
         if group is None:
             raise RuntimeError("training started before the components (a library bug)")
-        data, samples = cfg.data, self.samples
+        inputs = await self._training_inputs()
+        observers = self._observers(group)
+        for observer in observers:
+            await observer.training_begins()
+        try:
+            for step in range(self.resume_step + 1, self.total_steps + 1):
+                self.current_step, self.phase = step, f"step {step}"
+                for observer in observers:
+                    await observer.step_begins(step)
+                result = await self._step(group, step, inputs)
+                for observer in observers:
+                    await observer.step_trained(step, result)
+                if self._validates_at(step):
+                    self.phase = f"validation after step {step}"
+                    await self._validate(group, step, result, inputs)
+                for observer in observers:
+                    await observer.step_done(step, result)
+                self.last, self.last_step, self.steps_done = result.scalars(), step, step
+                self._step_future(step).set(result)
+                if step in ckpt.scheduled_steps(cfg, self.total_steps):
+                    self.phase = f"checkpoint {step}"
+                    state = {"sampler": inputs.sampler.state_dict(), "step": step}
+                    info = await checkpointing.save(group, cfg, self.run_dir, step, state, self.log)
+                    await self.io.call(
+                        self.log.info, f"CHECKPOINT step={step} dir={info.directory}"
+                    )
+                    self._checkpoint_future(step).set(info)
+            await group.settle()  # calls nothing waited for (the last sync's release)
+        finally:
+            for observer in observers:
+                await observer.training_ends()
+        self.log.info(f"Step limit given by max_steps={self.total_steps} reached. Stopping run")
+        self.log.status("RLINF_PYTHON_EXIT_CODE=0")
+
+    async def _training_inputs(self) -> _Inputs:
+        """The tokenizer, the prompt sampler (where the resumed run left it) and the encoded
+        validation prompts; when resuming, the steps and checkpoints the resumed run did are
+        resolved (a step's future with no metrics, a checkpoint's with its inherited info)."""
+        cfg, data, source = self.cfg, self.cfg.data, self.resume_from
         if self.tokenizer is None:
             raise RuntimeError("training started before the tokenizer's load (a library bug)")
         tokenizer = await self.tokenizer
-        sampler = PromptSampler(len(samples), data.rollout_batch_size, data.shuffle, data.seed)
+        sampler = PromptSampler(len(self.samples), data.rollout_batch_size, data.shuffle, data.seed)
         val_prompts = encode_prompts(
             tokenizer,
             [s.prompt for s in self.val_samples],
@@ -529,78 +591,56 @@ class RunController:
                     info = await self.io.call(ckpt.inherited_info, source, step)
                     self._checkpoint_future(step).set(info)
             self.steps_done = self.resume_step
-        layout = RlinfLayout.of(cfg, self.total_steps)  # RLinf's tags at its x, beside ours
-        writer = await self.io.call(MetricsWriter, cfg.log_dir, layout)
-        try:
-            for step in range(self.resume_step + 1, self.total_steps + 1):
-                self.current_step, self.phase = step, f"step {step}"
-                indices = sampler.next_batch()
-                prompts = encode_prompts(
-                    tokenizer,
-                    [samples[i].prompt for i in indices],
-                    data.max_prompt_length,
-                    log=self.log.info,
-                )
-                first = step == self.resume_step + 1
-                if first:
-                    self.clock.since_call("ready")
-                result = await run_step(
-                    group,
-                    cfg,
-                    step,
-                    prompts,
-                    [samples[i].solutions for i in indices],
-                    prompt_rows(cfg, [samples[i] for i in indices]),
-                    self._rollout_writer(step, [(i, samples[i]) for i in indices]),
-                )
-                if first:  # done before the step's compiled calls; recorded now
-                    await lifecycle.prepared(group, self.clock, self.log)
-                    await self.warm_up.finish(self.clock, self.log)
-                if cfg.compile_cache_root is not None and cfg.cluster.accelerator == "cuda":
-                    await lifecycle.after_compiled_step(group, cfg, self.clock, self.log, first)
-                if first:
-                    self.clock.record("first_step", result.timings["time/step"])
-                    self.clock.since_call("to_first_step")
-                    result.startup = dict(self.clock.seconds)
-                if self._validates_at(step):
-                    self.phase = f"validation after step {step}"
-                    val = await validate(
-                        group,
-                        cfg,
-                        step,
-                        val_prompts,
-                        [s.solutions for s in self.val_samples],
-                        prompt_rows(cfg, self.val_samples),
-                    )
-                    result.timings["time/validation"] = val.pop("time/validation")
-                    result.metrics.update(val)
-                result.metrics.update(await lifecycle.memory_metrics(group, cfg))
-                self.last, self.last_step = {**result.metrics, **result.timings}, step
-                self.log.info(_step_line(step, self.total_steps, result))
-                # After the line: both written.
-                await self.io.call(writer.write, step, self.last, result.minibatches)
-                ray_metrics.export_step(self.run_id, step, self.last)
-                self.steps_done = step
-                self._step_future(step).set(result)
-                if step in ckpt.scheduled_steps(cfg, self.total_steps):
-                    self.phase = f"checkpoint {step}"
-                    info = await checkpointing.save(
-                        group,
-                        cfg,
-                        self.run_dir,
-                        step,
-                        {"sampler": sampler.state_dict(), "step": step},
-                        self.log,
-                    )
-                    await self.io.call(
-                        self.log.info, f"CHECKPOINT step={step} dir={info.directory}"
-                    )
-                    self._checkpoint_future(step).set(info)
-            await group.settle()  # calls nothing waited for (the last sync's release)
-        finally:  # queued, not awaited: a cancel must not wait for a stalled storage
-            self.log.later(writer.close)
-        self.log.info(f"Step limit given by max_steps={self.total_steps} reached. Stopping run")
-        self.log.status("RLINF_PYTHON_EXIT_CODE=0")
+        return _Inputs(tokenizer, sampler, val_prompts)
+
+    async def _step(self, group: ComponentGroup, step: int, inputs: _Inputs) -> StepResult:
+        """One GRPO step on the sampler's next prompts (run/step.py)."""
+        from rlinf_twoworker.run.step import prompt_rows, run_step
+
+        indices = inputs.sampler.next_batch()
+        batch = [self.samples[i] for i in indices]
+        prompts = encode_prompts(
+            inputs.tokenizer,
+            [s.prompt for s in batch],
+            self.cfg.data.max_prompt_length,
+            log=self.log.info,
+        )
+        return await run_step(
+            group,
+            self.cfg,
+            step,
+            prompts,
+            [s.solutions for s in batch],
+            prompt_rows(self.cfg, batch),
+            self._rollout_writer(step, [(i, self.samples[i]) for i in indices]),
+        )
+
+    async def _validate(
+        self, group: ComponentGroup, step: int, result: StepResult, inputs: _Inputs
+    ) -> None:
+        """The validation prompts answered and graded after `step`; into the step's metrics."""
+        from rlinf_twoworker.run.step import prompt_rows, validate
+
+        val = await validate(
+            group,
+            self.cfg,
+            step,
+            inputs.val_prompts,
+            [s.solutions for s in self.val_samples],
+            prompt_rows(self.cfg, self.val_samples),
+        )
+        result.timings["time/validation"] = val.pop("time/validation")
+        result.metrics.update(val)
+
+    def _observers(self, group: ComponentGroup) -> list[RunObserver]:
+        """The run loop's observers, in the order it calls them (run/observers.py)."""
+        return [
+            StartupRecord(group, self.cfg, self.clock, self.log, self.warm_up),
+            MemoryMetrics(group, self.cfg),
+            StepLine(self.log, self.total_steps),  # before the step's scalars are written
+            TensorBoard(self.io, self.cfg, self.total_steps),
+            self.ray_metrics,
+        ]
 
     def _validates_at(self, step: int) -> bool:
         """The library's validation (runner.validate) on RLinf's schedule (check_progress's
@@ -640,11 +680,15 @@ class RunController:
                 self.task.cancel()
                 return
 
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        self.ray_metrics.state_changed(state)
+
     # ---- failure and clean-up ----------------------------------------------------------------
     async def _fail(self, exc: BaseException, state: str) -> None:
         """Record the failure (a stalled storage holds it at most _poll_s), then fail the futures."""
-        self.error, self.state, self.phase = exc, state, state
-        ray_metrics.export_state(self.run_id, state)
+        self.error, self.phase = exc, state
+        self._set_state(state)
         try:
             await self.io.record_failure(exc, state, self.current_step, self._poll_s)
         finally:
@@ -665,17 +709,3 @@ def _bundle_places(pg: Any) -> list[dict[str, str]]:
 
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     return [{"node_id": n, "ip": ips.get(n, "?")} for n in bundle_node_ids(pg)]
-
-
-def _step_line(step: int, max_steps: int, result: StepResult) -> str:
-    m, t = result.metrics, result.timings
-    return (
-        f"STEP {step}/{max_steps} reward={m['rollout/reward_scores']:.4f} "
-        f"loss={m['actor/training/actor/final_loss']:.6f} "
-        f"grad_norm={m['actor/training/actor/grad_norm']:.4f} "
-        f"lr={m['actor/training/actor/lr']:.3g} "
-        + (f"val_reward={m['val/reward_scores']:.4f} " if "val/reward_scores" in m else "")
-        + f"time={t['time/step']:.2f}s "
-        f"(rollout {t['time/rollout']:.2f}s, actor {t['time/actor/training']:.2f}s, "
-        f"sync {t['time/sync_weights']:.2f}s)"
-    )

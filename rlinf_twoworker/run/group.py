@@ -28,6 +28,7 @@ from rlinf_twoworker.config.placement import Placement, Slot
 from rlinf_twoworker.errors import ComponentError
 from rlinf_twoworker.results import Placed
 from rlinf_twoworker.run.liveness import is_death, short_reason
+from rlinf_twoworker.run.tasks import background
 
 
 @dataclass
@@ -223,8 +224,7 @@ class ComponentGroup:
             call = self.call(
                 member, "import_ahead", timeout=self.timeouts.actor_start_s, stage="start"
             )
-            member.imported = asyncio.ensure_future(call)
-            member.imported.add_done_callback(lambda t: t.cancelled() or t.exception())
+            member.imported = background(call)
             return where
 
         members = self.all()
@@ -281,8 +281,7 @@ class ComponentGroup:
                 timeout=self.timeouts.actor_start_s,
                 stage="preparation",
             )
-            task = asyncio.ensure_future(call)
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read later
+            task = background(call)  # read later
             self.preparing.append((member, task))
 
     async def prepared(self) -> list[tuple[Member, Any]]:
@@ -360,8 +359,7 @@ class ComponentGroup:
         """Make a call whose answer nothing waits for now: it runs in the component before
         any later call to it, and `settle` raises its failure (the next weight sync settles,
         and so does the end of the run)."""
-        task = asyncio.ensure_future(self.call(member, method, *args, timeout=timeout, stage=stage))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by settle
+        task = background(self.call(member, method, *args, timeout=timeout, stage=stage))
         self.behind.append(task)
 
     async def settle(self) -> None:

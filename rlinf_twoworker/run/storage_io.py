@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rlinf_twoworker.errors import RunDirError
+from rlinf_twoworker.run.tasks import background
 from rlinf_twoworker.storage.rundir import MAIN_LOG, RunLog, write_failure
 
 T = TypeVar("T")
@@ -86,8 +87,8 @@ class StorageIO:
         try:
             await asyncio.wait_for(asyncio.shield(recording), timeout)
         except asyncio.TimeoutError:
-            # Retrieved later, so a late failure is not reported as never retrieved.
-            recording.add_done_callback(lambda f: f.cancelled() or f.exception())
+            # Its late failure is retrieved there, not reported as never retrieved.
+            background(recording)
             return False
         return True
 

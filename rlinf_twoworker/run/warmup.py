@@ -26,6 +26,7 @@ from rlinf_twoworker.engines.models import SequenceBatch
 from rlinf_twoworker.run.chunks import chunk_shards, plan_chunks
 from rlinf_twoworker.run.group import ComponentGroup, Member
 from rlinf_twoworker.run.startup import StartupClock
+from rlinf_twoworker.run.tasks import background
 from rlinf_twoworker.storage.rundir import RunLog
 
 
@@ -84,9 +85,7 @@ class WarmUp:
             *zip(actors, [(s,) for s in shards]),
         ]:
             call = group.call(member, "warm_up", *args, timeout=timeout, stage="compile warm-up")
-            task = asyncio.ensure_future(call)
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by finish
-            self.calls.append((member, task))
+            self.calls.append((member, background(call)))  # read by finish
 
     async def finish(self, clock: StartupClock, log: RunLog) -> None:
         """After step 1: record each warm-up's seconds (warm_up/<component>:<rank>) and, where
