@@ -21,6 +21,8 @@ GRPOConfig = Any
 """The run's config (rlinf_twoworker.config.GRPOConfig): the config imports this table, so
 the table names it only in words."""
 
+MEMORY = "rlinf_twoworker.cluster.memory_parts"
+
 
 @dataclass(frozen=True)
 class Component:
@@ -28,6 +30,11 @@ class Component:
     """The key in cluster.component_placement and in actor names (<run>:<name>:<rank>)."""
     worker: str
     """'module:Class' of its worker; the class takes (cfg: GRPOConfig, rank: int)."""
+    memory: str
+    """'module:function' of its GPU memory estimate before any model loads, by part:
+    (cfg, model shapes by section, its ranks, recompute) -> {part: bytes}; the memory plan
+    (cluster/memory_plan.py) adds up the processes of each GPU. Required: a component without
+    an estimate would pass the plan unchecked (cluster/memory_parts.no_gpu_memory says so)."""
     receives_weights: bool = False
     """A copy of the policy that the actor's weights are synced to after every update."""
     trains: bool = False
@@ -55,12 +62,15 @@ class Component:
         return self.needed is None or self.needed(cfg)
 
     def worker_class(self) -> type:
-        return worker_class(self.worker)
+        return named(self.worker)
+
+    def memory_estimate(self) -> Callable[..., dict[str, int]]:
+        return named(self.memory)
 
 
-def worker_class(worker: str) -> type:
-    """The class named 'module:Class' (its module imported)."""
-    module, _, name = worker.partition(":")
+def named(path: str) -> Any:
+    """The class or function named 'module:name' (its module imported)."""
+    module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
 
 
@@ -73,12 +83,14 @@ TABLE: tuple[Component, ...] = (
     Component(
         "rollout",
         "rlinf_twoworker.workers.rollout:RolloutWorker",
+        f"{MEMORY}:rollout_memory",
         receives_weights=True,
         model_section="rollout",
     ),
     Component(
         "reward",
         "rlinf_twoworker.workers.reward:RewardWorker",
+        f"{MEMORY}:no_gpu_memory",
         concurrency=4,
         asynchronous=True,
         prepare="warm_up_grader",
@@ -86,16 +98,22 @@ TABLE: tuple[Component, ...] = (
     Component(
         "inference",
         "rlinf_twoworker.workers.inference:InferenceWorker",
+        f"{MEMORY}:inference_memory",
         receives_weights=True,
         model_section="inference",
         logprobs=True,
     ),
     Component(
-        "actor", "rlinf_twoworker.workers.actor:ActorWorker", trains=True, model_section="actor"
+        "actor",
+        "rlinf_twoworker.workers.actor:ActorWorker",
+        f"{MEMORY}:actor_memory",
+        trains=True,
+        model_section="actor",
     ),
     Component(
         "reference",
         "rlinf_twoworker.workers.reference:ReferenceWorker",
+        f"{MEMORY}:reference_memory",
         model_section="actor",  # the actor's initial weights, frozen
         logprobs=True,
         needed=_kl_in_loss,

@@ -254,21 +254,51 @@ def rollout_parts(cfg: GRPOConfig, shape: ModelShape) -> dict[str, int]:
     }
 
 
+def actor_memory(
+    cfg: GRPOConfig, shapes: Mapping[str, ModelShape], ranks: int, recompute: bool
+) -> dict[str, int]:
+    """The actor's row of the component table: one FSDP rank (actor_parts)."""
+    return actor_parts(cfg, shapes["actor"], ranks, recompute)
+
+
+def inference_memory(
+    cfg: GRPOConfig, shapes: Mapping[str, ModelShape], ranks: int, recompute: bool
+) -> dict[str, int]:
+    """The inference's row: its copy of the policy and one log-prob micro-batch."""
+    return logprob_parts(cfg, shapes["inference"], cfg.inference.model.precision)
+
+
+def reference_memory(
+    cfg: GRPOConfig, shapes: Mapping[str, ModelShape], ranks: int, recompute: bool
+) -> dict[str, int]:
+    """The reference's row: the actor's initial weights at inference's precision."""
+    return logprob_parts(cfg, shapes["actor"], cfg.inference.model.precision)
+
+
+def rollout_memory(
+    cfg: GRPOConfig, shapes: Mapping[str, ModelShape], ranks: int, recompute: bool
+) -> dict[str, int]:
+    """The rollout's row (rollout_parts)."""
+    return rollout_parts(cfg, shapes["rollout"])
+
+
+def no_gpu_memory(
+    cfg: GRPOConfig, shapes: Mapping[str, ModelShape], ranks: int, recompute: bool
+) -> dict[str, int]:
+    """A component that holds nothing on a GPU (the reward grades on CPUs)."""
+    return {}
+
+
 def process_parts(
     cfg: GRPOConfig, component: str, shapes: Mapping[str, ModelShape], ranks: int, recompute: bool
 ) -> dict[str, int]:
-    """A component process's estimate by part (the reward grades on CPUs: nothing)."""
-    if component == "actor":
-        parts = actor_parts(cfg, shapes["actor"], ranks, recompute)
-    elif component == "inference":
-        parts = logprob_parts(cfg, shapes["inference"], cfg.inference.model.precision)
-    elif component == "reference":
-        parts = logprob_parts(cfg, shapes["actor"], cfg.inference.model.precision)
-    elif component == "rollout":
-        parts = rollout_parts(cfg, shapes["rollout"])
-    else:
+    """A component process's estimate by part: its row's `memory` function (components.py),
+    with the allocator's slack and, on GPUs, the CUDA context; nothing where it holds nothing."""
+    row = components.by_name(component)
+    parts = row.memory_estimate()(cfg, shapes, ranks, recompute)
+    if not parts:
         return {}
-    slack = SLACK_TRAINING if component == "actor" else SLACK
+    slack = SLACK_TRAINING if row.trains else SLACK
     parts["allocator_slack"] = int(slack * sum(parts.values()))
     if cfg.cluster.accelerator == "cuda":
         parts["cuda_context"] = CUDA_CONTEXT

@@ -69,7 +69,7 @@ class ComponentHost:
                 self._cls = worker
                 return worker
             try:
-                self._cls = components.worker_class(worker)
+                self._cls = components.named(worker)
             except Exception as exc:  # the first import of torch and the engines, here
                 raise ImportError(
                     f"{self.COMPONENT}:{self._args[1]}: its worker {worker} does not import in "
