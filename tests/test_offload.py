@@ -149,6 +149,7 @@ class _RecordingGroup:
         self.calls.append(("settle", ()))
 
     async def call_each(self, members, method, *args, timeout, stage, per_member=None):
+        method = method.__name__  # a function of the component contract
         self.calls.append((method, args))
         if method == "export_weights":
             return [{"handles": [["h-rollout"], ["h-inference"]], "bytes": 8, "seconds": 0.0}]
@@ -157,7 +158,7 @@ class _RecordingGroup:
         return [{} for _ in members]
 
     def call_behind(self, member, method, *args, timeout, stage) -> None:
-        self.calls.append((method, args))
+        self.calls.append((method.__name__, args))
 
 
 @pytest.mark.parametrize("offload", [True, False])

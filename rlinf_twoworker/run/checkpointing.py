@@ -32,6 +32,7 @@ from rlinf_twoworker.storage.checkpoints import (
     step_of,
 )
 from rlinf_twoworker.storage.rundir import atomic_write_text, checkpoint_dir, staging_checkpoint_dir
+from rlinf_twoworker.workers.contract import Trainer
 
 if TYPE_CHECKING:
     from rlinf_twoworker.run.group import ComponentGroup
@@ -55,7 +56,7 @@ async def save(
     try:
         answers = await group.call_each(
             group.actors(),
-            "save_checkpoint",
+            Trainer.save_checkpoint,
             str(staging / DCP_SUBDIR),
             timeout=cfg.runner.timeouts.checkpoint_s,
             stage=f"checkpoint {step}",
@@ -133,7 +134,7 @@ async def restore(group: ComponentGroup, cfg: GRPOConfig, checkpoint: Path, log:
         raise TwoWorkerError(problem)
     await group.call_each(
         group.actors(),
-        "load_checkpoint",
+        Trainer.load_checkpoint,
         str(checkpoint / DCP_SUBDIR),
         timeout=cfg.runner.timeouts.checkpoint_s,
         stage="resume",

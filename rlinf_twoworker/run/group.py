@@ -6,7 +6,10 @@ each process from its worker's name, without importing the worker's module (torc
 
 Actor names are `<run_id>-<8 hex>:<component>:<rank>` (cluster.connect.ray_name) in namespace
 `rlinf_twoworker`, so operators find them with `ray list actors`. Every call goes through `call`, which applies a timeout and
-turns any failure into a ComponentError naming the component, its rank and its node.
+turns any failure into a ComponentError naming the component, its rank and its node. A call
+names its method by the function of the component contract (workers/contract.py:
+`group.call(member, Trainer.train_step, shards, ...)`), so mypy checks the name and types the
+answer.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import ray
 
@@ -29,6 +32,9 @@ from rlinf_twoworker.errors import ComponentError
 from rlinf_twoworker.results import Placed
 from rlinf_twoworker.run.liveness import is_death, short_reason
 from rlinf_twoworker.run.tasks import background
+from rlinf_twoworker.workers.contract import PREPARATIONS, Process
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -129,6 +135,15 @@ HOST_METHODS = frozenset(
 """The process's own methods (where, import_ahead, load, ping, startup_report); `call` runs
 every other one on its worker."""
 
+if TYPE_CHECKING:  # the host is what the contract's Process promises (mypy checks it)
+    _host: type[Process] = ComponentHost
+
+
+def method_name(method: Callable[..., Any] | str) -> str:
+    """The name Ray is sent for `method`, a function of the contract (its __name__). A plain
+    name still works at run time, untyped (tests' stand-in workers)."""
+    return method if isinstance(method, str) else method.__name__
+
 
 class _SyncHost(ComponentHost):
     def call(self, method: str, *args: Any) -> Any:
@@ -219,10 +234,10 @@ class ComponentGroup:
 
         async def answered(member: Member) -> dict[str, Any]:
             where = await self.call(
-                member, "where", timeout=self.timeouts.actor_start_s, stage="start"
+                member, Process.where, timeout=self.timeouts.actor_start_s, stage="start"
             )
             call = self.call(
-                member, "import_ahead", timeout=self.timeouts.actor_start_s, stage="start"
+                member, Process.import_ahead, timeout=self.timeouts.actor_start_s, stage="start"
             )
             member.imported = background(call)
             return where
@@ -252,7 +267,7 @@ class ComponentGroup:
 
         async def loaded(member: Member) -> dict[str, Any]:
             where = await self.call(
-                member, "load", self.cfg, timeout=self.timeouts.actor_start_s, stage="start"
+                member, Process.load, self.cfg, timeout=self.timeouts.actor_start_s, stage="start"
             )
             member.ready_at = time.time()
             self.start_preparing([member])
@@ -277,7 +292,7 @@ class ComponentGroup:
         for member in members:
             call = self.call(
                 member,
-                self.table[member.slot.component].prepare,
+                PREPARATIONS[self.table[member.slot.component].prepare],
                 timeout=self.timeouts.actor_start_s,
                 stage="preparation",
             )
@@ -317,18 +332,35 @@ class ComponentGroup:
         host = f"{w['host']}/" if w.get("host") else ""
         return f"{host}{w.get('ip', '?')} node {str(w.get('node_id', '?'))[:8]}"
 
+    @overload
     def call(
-        self, member: Member, method: str, *args: Any, timeout: float, stage: str
+        self,
+        member: Member,
+        method: Callable[..., Coroutine[Any, Any, R]],
+        *args: Any,
+        timeout: float,
+        stage: str,
+    ) -> Awaitable[R]: ...
+
+    @overload
+    def call(
+        self, member: Member, method: Callable[..., R], *args: Any, timeout: float, stage: str
+    ) -> Awaitable[R]: ...
+
+    def call(
+        self, member: Member, method: Callable[..., Any], *args: Any, timeout: float, stage: str
     ) -> Awaitable[Any]:
-        """One remote call with a timeout; any failure names component, rank and node. The
-        call is submitted here, when it is made (not when awaited): calls to one component
-        run in the order they were made."""
-        if method in HOST_METHODS:
-            ref = getattr(member.handle, method).remote(*args)
+        """One remote call of `method` (a function of workers/contract.py; the answer has its
+        return type, an async method's result for a coroutine) with a timeout; any failure
+        names component, rank and node. The call is submitted here, when it is made (not when
+        awaited): calls to one component run in the order they were made."""
+        name = method_name(method)
+        if name in HOST_METHODS:
+            ref = getattr(member.handle, name).remote(*args)
         else:  # the worker's, named in Ray's task list as <Worker>.<method>
-            who = f"{member.slot.component}:{member.slot.rank}.{method}"
-            ref = member.handle.call.options(name=who).remote(method, *args)
-        return self._answer(ref, member, method, timeout, stage)
+            who = f"{member.slot.component}:{member.slot.rank}.{name}"
+            ref = member.handle.call.options(name=who).remote(name, *args)
+        return self._answer(ref, member, name, timeout, stage)
 
     async def _answer(
         self, ref: Any, member: Member, method: str, timeout: float, stage: str
@@ -354,7 +386,7 @@ class ComponentGroup:
             ) from exc
 
     def call_behind(
-        self, member: Member, method: str, *args: Any, timeout: float, stage: str
+        self, member: Member, method: Callable[..., Any], *args: Any, timeout: float, stage: str
     ) -> None:
         """Make a call whose answer nothing waits for now: it runs in the component before
         any later call to it, and `settle` raises its failure (the next weight sync settles,
@@ -368,10 +400,32 @@ class ComponentGroup:
         if tasks:
             await gather_fail_fast(tasks)
 
+    @overload
     async def call_each(
         self,
         members: list[Member],
-        method: str,
+        method: Callable[..., Coroutine[Any, Any, R]],
+        *args: Any,
+        timeout: float,
+        stage: str,
+        per_member: list[tuple] | None = None,
+    ) -> list[R]: ...
+
+    @overload
+    async def call_each(
+        self,
+        members: list[Member],
+        method: Callable[..., R],
+        *args: Any,
+        timeout: float,
+        stage: str,
+        per_member: list[tuple] | None = None,
+    ) -> list[R]: ...
+
+    async def call_each(
+        self,
+        members: list[Member],
+        method: Callable[..., Any],
         *args: Any,
         timeout: float,
         stage: str,
@@ -380,7 +434,7 @@ class ComponentGroup:
         """The same method on several members concurrently (a collective must be entered by
         all); the first failure cancels the wait on the others and is raised at once, so a
         collective stalled by a dead member never holds the run (a death is preferred as the
-        error when several members failed together)."""
+        error when several members failed together). Each answer as in `call`."""
         argss = per_member or [args] * len(members)
         return await gather_fail_fast(
             [self.call(m, method, *a, timeout=timeout, stage=stage) for m, a in zip(members, argss)]

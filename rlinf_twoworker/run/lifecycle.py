@@ -5,13 +5,17 @@ names the component, rank and node (group.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.run.group import ComponentGroup, Member
 from rlinf_twoworker.run.startup import StartupClock
 from rlinf_twoworker.storage.rundir import RunLog
+from rlinf_twoworker.workers.contract import Component, Policy, Process, Trainer
+
+R = TypeVar("R")
 
 
 async def attach_worker_logs(group: ComponentGroup, cfg: GRPOConfig, run_dir: Path) -> None:
@@ -20,7 +24,7 @@ async def attach_worker_logs(group: ComponentGroup, cfg: GRPOConfig, run_dir: Pa
     paths = [(str(run_dir / "log" / f"{m.slot.component}-{m.slot.rank}.log"),) for m in members]
     await group.call_each(
         members,
-        "attach_log",
+        Component.attach_log,
         timeout=cfg.runner.timeouts.actor_start_s,
         stage="per-worker log",
         per_member=paths,
@@ -33,7 +37,9 @@ async def join_process_groups(group: ComponentGroup, cfg: GRPOConfig, clock: Sta
     timeout = cfg.runner.timeouts.collective_s
     actors = group.actors()
     members = actors + group.policy_copies()
-    master = await group.call(actors[0], "rendezvous_address", timeout=timeout, stage="rendezvous")
+    master = await group.call(
+        actors[0], Trainer.rendezvous_address, timeout=timeout, stage="rendezvous"
+    )
     actor_ranks = list(range(len(actors)))
     consumer_ranks = list(range(len(actors), len(members)))
     shared = group.shared_gpus()
@@ -43,11 +49,11 @@ async def join_process_groups(group: ComponentGroup, cfg: GRPOConfig, clock: Sta
     ]
     with clock.phase("process_groups"):
         await group.call_each(
-            members, "join", timeout=timeout, stage="process group", per_member=args
+            members, Policy.join, timeout=timeout, stage="process group", per_member=args
         )
     with clock.phase("actor_build"):
         await group.call_each(
-            actors, "build", timeout=cfg.runner.timeouts.actor_start_s, stage="actor build"
+            actors, Trainer.build, timeout=cfg.runner.timeouts.actor_start_s, stage="actor build"
         )
 
 
@@ -60,7 +66,7 @@ async def log_startup(
     with its model load (its preparation, the compile cache's and the reward's, is reported
     by `prepared`)."""
     answers = await _ask_all(
-        group, "startup_report", cfg.runner.timeouts.actor_start_s, "start-up report"
+        group, Process.startup_report, cfg.runner.timeouts.actor_start_s, "start-up report"
     )
     ahead = {id(m): answer for m, answer in await group.imported_ahead()}
     for member, report in answers:
@@ -129,7 +135,7 @@ async def after_compiled_step(
     """Save newly compiled kernels to the shared compile cache; after the run's first step
     also record each component's compile seconds."""
     answers = await _ask_all(
-        group, "save_compile_cache", cfg.runner.timeouts.checkpoint_s, "compile cache"
+        group, Component.save_compile_cache, cfg.runner.timeouts.checkpoint_s, "compile cache"
     )
     for member, answer in answers:
         for line in answer["cache"]:
@@ -142,7 +148,7 @@ async def memory_metrics(group: ComponentGroup, cfg: GRPOConfig) -> dict[str, fl
     """Every component process's memory during the step just done, as
     memory/<component>/<rank>/<what> in GiB (GPU peaks on GPUs, host memory everywhere)."""
     answers = await _ask_all(
-        group, "memory_report", cfg.runner.timeouts.collective_s, "memory report"
+        group, Component.memory_report, cfg.runner.timeouts.collective_s, "memory report"
     )
     return {
         f"memory/{m.slot.component}/{m.slot.rank}/{what}": value
@@ -152,9 +158,10 @@ async def memory_metrics(group: ComponentGroup, cfg: GRPOConfig) -> dict[str, fl
 
 
 async def _ask_all(
-    group: ComponentGroup, method: str, timeout: float, stage: str
-) -> list[tuple[Member, Any]]:
-    """Every member's answer to `method`, beside the member."""
+    group: ComponentGroup, method: Callable[..., R], timeout: float, stage: str
+) -> list[tuple[Member, R]]:
+    """Every member's answer to `method` (a function of workers/contract.py), beside the
+    member."""
     members = group.all()
     answers = await group.call_each(members, method, timeout=timeout, stage=stage)
     return list(zip(members, answers))

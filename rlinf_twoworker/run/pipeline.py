@@ -33,6 +33,7 @@ from rlinf_twoworker.run.chunks import (
     chunk_shards,
 )
 from rlinf_twoworker.run.group import ComponentGroup, gather_fail_fast
+from rlinf_twoworker.workers import contract
 
 
 @dataclass
@@ -82,7 +83,7 @@ async def generate(
 ) -> Rollout:
     return await group.call(
         group.one("rollout"),
-        "generate",
+        contract.Rollout.generate,
         prompts,
         seed,
         timeout=cfg.runner.timeouts.step_s,
@@ -107,7 +108,7 @@ async def grade(
     start = time.perf_counter()
     graded: Graded = await group.call(
         group.one("reward"),
-        "score",
+        contract.Grader.score,
         rollout.texts,
         per_answer,
         *with_rows,
@@ -125,7 +126,11 @@ async def logprobs(
     if "reference" in group.members:
         members.append(group.one("reference"))
     results = await group.call_each(
-        members, "compute_logprobs", batch, timeout=cfg.runner.timeouts.step_s, stage=stage
+        members,
+        contract.LogProbModel.compute_logprobs,
+        batch,
+        timeout=cfg.runner.timeouts.step_s,
+        stage=stage,
     )
     return results[0], results[1] if len(results) > 1 else None
 
@@ -183,7 +188,7 @@ async def run_sequential(
         copies = group.copies_beside_actors()
         reports = await group.call_each(
             copies,
-            "release_memory",
+            contract.PolicyCopy.release_memory,
             timeout=cfg.runner.timeouts.step_s,
             stage=f"step {step} memory release",
         )
@@ -192,7 +197,7 @@ async def run_sequential(
     marks.first("first_update_start")
     trained: list[TrainStats] = await group.call_each(
         group.actors(),
-        "train_step",
+        contract.Trainer.train_step,
         timeout=cfg.runner.timeouts.step_s,
         stage=f"step {step} actor update",
         per_member=[(s,) for s in shards],
@@ -253,7 +258,7 @@ async def run_pipelined(
                 per_minibatch.append(
                     await group.call_each(
                         group.actors(),
-                        "train_step",
+                        contract.Trainer.train_step,
                         timeout=cfg.runner.timeouts.step_s,
                         stage=f"step {step} actor update (minibatch {len(per_minibatch)})",
                         per_member=[([own[m]],) for own in shards],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -22,6 +22,7 @@ from rlinf_twoworker.results import StepResult
 from rlinf_twoworker.run.chunks import plan_chunks, split_for_actors
 from rlinf_twoworker.run.group import ComponentGroup, gather_fail_fast
 from rlinf_twoworker.run.pipeline import Marks, Ran, generate, grade, run_pipelined, run_sequential
+from rlinf_twoworker.workers.contract import Policy, PolicyCopy, Trainer
 
 __all__ = [
     "prompt_rows",
@@ -31,6 +32,8 @@ __all__ = [
     "sync_weights",
     "validate",
 ]
+
+R = TypeVar("R")
 
 
 def prompt_rows(cfg: GRPOConfig, samples: list[Any]) -> list[PromptRow] | None:
@@ -67,18 +70,20 @@ async def sync_weights(group: ComponentGroup, cfg: GRPOConfig) -> dict[str, floa
         # Where the actor's memory is given back after the sync, its buckets go first.
         nbytes = await _sync_through_ipc(group, dtype, timeout, parts, wait=cfg.offloads)
     else:
-        members = [*group.actors(), *group.policy_copies()]
-        methods = ["send_weights"] * len(group.actors())
-        methods += ["receive_weights"] * len(group.policy_copies())
-        results = await _gather_methods(group, members, methods, (dtype,), timeout, "weight sync")
-        nbytes = results[0]["bytes"]
+        actors, copies = group.actors(), group.policy_copies()
+        methods: list[Callable[..., dict[str, float]]] = [Trainer.send_weights] * len(actors)
+        methods += [PolicyCopy.receive_weights] * len(copies)
+        results = await _gather_methods(
+            group, [*actors, *copies], methods, (dtype,), timeout, "weight sync"
+        )
+        nbytes = int(results[0]["bytes"])  # a count of bytes
     synced = {"bytes": float(nbytes), "seconds": time.perf_counter() - start, **parts}
     if cfg.rollout.validate_weight:
         await check_weights(group, dtype, timeout)
         synced["verified"] = 1.0
     if cfg.offloads:  # as RLinf: the actor's parameters leave the GPU once they are synced
         offloaded = await group.call_each(
-            group.actors(), "offload", timeout=timeout, stage="actor offload after the sync"
+            group.actors(), Trainer.offload, timeout=timeout, stage="actor offload after the sync"
         )
         synced["offload_seconds"] = max(o["seconds"] for o in offloaded)
     return synced
@@ -97,7 +102,7 @@ async def _sync_through_ipc(
     mark = time.perf_counter()
     exported = await group.call_each(
         actors,
-        "export_weights",
+        Trainer.export_weights,
         dtype,
         len(consumers),
         wait,  # offloading: the actor's state leaves before the copies take their memory
@@ -109,7 +114,7 @@ async def _sync_through_ipc(
     try:
         await group.call_each(
             consumers,
-            "import_weights",
+            PolicyCopy.import_weights,
             timeout=timeout,
             stage="weight import",
             per_member=[(own, dtype) for own in handles],
@@ -117,7 +122,9 @@ async def _sync_through_ipc(
         parts["import_s"], mark = time.perf_counter() - mark, time.perf_counter()
     finally:  # after a failed import too: the buckets are the actor's to free
         for actor in actors:
-            group.call_behind(actor, "release_weights", timeout=timeout, stage="weight release")
+            group.call_behind(
+                actor, Trainer.release_weights, timeout=timeout, stage="weight release"
+            )
     if wait:
         await group.settle()
         parts["release_s"] = time.perf_counter() - mark
@@ -130,11 +137,13 @@ async def check_weights(group: ComponentGroup, dtype: str, timeout: float) -> No
     from rlinf_twoworker.errors import ComponentError
 
     consumers = group.policy_copies()
-    own = await group.call_each(consumers, "weights_dtype", timeout=timeout, stage="weight check")
+    own = await group.call_each(
+        consumers, PolicyCopy.weights_dtype, timeout=timeout, stage="weight check"
+    )
     for member, member_dtype in zip(consumers, own):
         members = [*group.actors(), member]
         digests = await group.call_each(
-            members, "weights_digest", member_dtype, timeout=timeout, stage="weight check"
+            members, Policy.weights_digest, member_dtype, timeout=timeout, stage="weight check"
         )
         if digests[-1] != digests[0]:
             raise ComponentError(
@@ -150,14 +159,14 @@ async def check_weights(group: ComponentGroup, dtype: str, timeout: float) -> No
 async def _gather_methods(
     group: ComponentGroup,
     members: list,
-    methods: list[str],
+    methods: list[Callable[..., R]],
     args: tuple,
     timeout: float,
     stage: str,
-) -> list[Any]:
+) -> list[R]:
     calls = [
-        group.call(m, name, *args, timeout=timeout, stage=stage)
-        for m, name in zip(members, methods)
+        group.call(m, method, *args, timeout=timeout, stage=stage)
+        for m, method in zip(members, methods)
     ]
     return await gather_fail_fast(calls)
 

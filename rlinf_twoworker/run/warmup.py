@@ -28,6 +28,7 @@ from rlinf_twoworker.run.group import ComponentGroup, Member
 from rlinf_twoworker.run.startup import StartupClock
 from rlinf_twoworker.run.tasks import background
 from rlinf_twoworker.storage.rundir import RunLog
+from rlinf_twoworker.workers.contract import LogProbModel, Trainer
 
 
 def full_length_batch(cfg: GRPOConfig, rows: int) -> SequenceBatch:
@@ -80,12 +81,13 @@ class WarmUp:
         batch, shards = warm_up_inputs(cfg, len(actors))
         timeout = cfg.runner.timeouts.step_s
         copies = [m for m in group.all() if group.table[m.slot.component].logprobs]
-        for member, args in [
-            *[(m, (batch,)) for m in copies],
-            *zip(actors, [(s,) for s in shards]),
-        ]:
-            call = group.call(member, "warm_up", *args, timeout=timeout, stage="compile warm-up")
+        stage = "compile warm-up"
+        for member in copies:
+            call = group.call(member, LogProbModel.warm_up, batch, timeout=timeout, stage=stage)
             self.calls.append((member, background(call)))  # read by finish
+        for member, shard in zip(actors, shards):
+            call = group.call(member, Trainer.warm_up, shard, timeout=timeout, stage=stage)
+            self.calls.append((member, background(call)))
 
     async def finish(self, clock: StartupClock, log: RunLog) -> None:
         """After step 1: record each warm-up's seconds (warm_up/<component>:<rank>) and, where

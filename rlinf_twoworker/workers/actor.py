@@ -14,7 +14,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -550,3 +550,10 @@ class ActorWorker(Worker):
         if "grad_scaler" in inner:
             self.scaler.load_state_dict(inner["grad_scaler"])
         torch.set_rng_state(inner["rng"][f"rank_{self.rank}"])
+
+
+# For mypy: ActorWorker is what the run asks of an actor rank (workers/contract.py).
+if TYPE_CHECKING:
+    from rlinf_twoworker.workers import contract
+
+    _trainer: type[contract.Trainer] = ActorWorker

@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -278,3 +278,11 @@ class PolicyCopy(Worker):
     def weights_digest(self, sync_dtype: str) -> str:
         offload.require_weights(self.model, f"{self.component} rank {self.rank}")
         return super().weights_digest(sync_dtype)
+
+
+# For mypy: the bases give what every policy copy owes (workers/contract.py).
+if TYPE_CHECKING:
+    from rlinf_twoworker.workers import contract
+
+    _model: type[contract.ModelComponent] = Worker
+    _copy: type[contract.PolicyCopy] = PolicyCopy

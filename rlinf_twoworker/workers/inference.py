@@ -8,7 +8,7 @@ temperature, as in the actor (and in RLinf).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -89,3 +89,10 @@ class InferenceWorker(PolicyCopy):
             logprobs = response_logprobs(self.model, rows, trim, self.fused, temperature)
             parts.append(logprobs.cpu())
         return torch.cat(parts) * batch.response_mask
+
+
+# For mypy: InferenceWorker is what the run asks of inference (workers/contract.py).
+if TYPE_CHECKING:
+    from rlinf_twoworker.workers import contract
+
+    _inference: type[contract.Inference] = InferenceWorker

@@ -4,6 +4,8 @@ and never receives weights, as RLinf's reference (its initial weights kept aside
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.workers.inference import InferenceWorker
 
@@ -13,3 +15,10 @@ class ReferenceWorker(InferenceWorker):
 
     def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
         super().__init__(cfg, rank, "reference", cfg.actor.model.model_path)
+
+
+# For mypy: ReferenceWorker is what the run asks of the reference (workers/contract.py).
+if TYPE_CHECKING:
+    from rlinf_twoworker.workers import contract
+
+    _reference: type[contract.LogProbModel] = ReferenceWorker

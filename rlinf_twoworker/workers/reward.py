@@ -519,3 +519,10 @@ class RewardWorker:
         from rlinf_twoworker.workers.process import attach_log
 
         attach_log(path, "reward", self.rank)
+
+
+# For mypy: RewardWorker is what the run asks of the reward (workers/contract.py).
+if TYPE_CHECKING:
+    from rlinf_twoworker.workers import contract
+
+    _grader: type[contract.Grader] = RewardWorker

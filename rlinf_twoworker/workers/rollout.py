@@ -12,7 +12,7 @@ chunks of rollout.max_batch_size rows.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -148,3 +148,10 @@ class RolloutWorker(PolicyCopy):
         return self.engine.generate(
             ids, mask, max_new, self.eos_ids, pad_id, SamplingSettings(**kwargs)
         )
+
+
+# For mypy: RolloutWorker is what the run asks of the rollout (workers/contract.py).
+if TYPE_CHECKING:
+    from rlinf_twoworker.workers import contract
+
+    _rollout: type[contract.Rollout] = RolloutWorker
