@@ -1,5 +1,5 @@
 """GPU memory as nvidia-smi sees it, per process and for the whole GPU, sampled in a thread,
-and the run's component processes found by pid (bench_scale.py, tests/test_gpu_memory.py).
+and the run's component processes found by pid (bench_scale.py, tests/integration/test_gpu_memory.py).
 
 PyTorch's own peaks (the memory/<component>/<rank>/gpu_peak_* metrics) leave out what is not
 in its allocator: the CUDA context, NCCL's and cuBLAS's workspaces, compiled kernels. nvidia-smi

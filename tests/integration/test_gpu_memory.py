@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import BENCHMARKS
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = BENCHMARKS
 BUDGET_GIB = 40.0
 TOLERANCE = 0.10
 

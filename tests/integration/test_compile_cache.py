@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from support import tiny_lm
+from transformers import Qwen2Config
 
 from rlinf_twoworker.engines import compile_cache
 from rlinf_twoworker.engines.compile_cache import MAGIC, CompileCache, cache_key
@@ -94,10 +95,7 @@ RUN = textwrap.dedent(
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("model")
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(
-        Qwen2Config(**{k: v for k, v in _config().items() if k != "model_type"})
-    ).save_pretrained(directory)
+    tiny_lm(layers=3).save_pretrained(directory)  # _config()'s shape
     return directory
 
 

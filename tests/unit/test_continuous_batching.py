@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from support import tiny_lm
 
 from rlinf_twoworker.api.demo import demo_config, make_inputs
 from rlinf_twoworker.config import to_typed
@@ -31,28 +32,10 @@ def _tiny_lm(arch: str) -> Any:
     """A seeded random fp32 model of a few thousand weights; a sharpened output layer keeps
     greedy choices far from ties, and Qwen3 gets non-trivial q/k norms and a head_dim apart
     from hidden / heads."""
-    import transformers
-
-    config_class, model_class = {
-        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-        "llama": ("LlamaConfig", "LlamaForCausalLM"),
-        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    }[arch]
     extra = {"head_dim": 16} if arch == "qwen3" else {}
-    cfg = getattr(transformers, config_class)(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        **extra,
-    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = getattr(transformers, model_class)(cfg).eval()
+        model = tiny_lm(arch, vocab=VOCAB, seed=None, max_position_embeddings=128, **extra)
         with torch.no_grad():
             model.lm_head.weight.mul_(4.0)
             for layer in model.model.layers if arch == "qwen3" else []:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from support import tiny_lm
 
 from rlinf_twoworker import run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config, make_inputs
@@ -27,19 +28,8 @@ PARAMS = 2 * 64 * 16 + 2 * LAYER + 16
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     directory = tmp_path_factory.mktemp("tiny-qwen2")
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(directory)
+    tiny_lm(hidden=16, intermediate=32, seed=None).save_pretrained(directory)
     return directory
 
 
@@ -60,24 +50,9 @@ def test_the_shape_is_counted_from_the_model_config(tiny):
 def _save(directory: Path, family: str, tied: bool) -> Path:
     """A tiny model of `family` written by transformers (safetensors), its layers unequal in
     nothing but their index."""
-    import transformers
-
-    config_class, model_class = {
-        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-        "llama": ("LlamaConfig", "LlamaForCausalLM"),
-        "mistral": ("MistralConfig", "MistralForCausalLM"),
-    }[family]
-    config = getattr(transformers, config_class)(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
+    tiny_lm(family, vocab=96, intermediate=48, layers=3, tied=tied, seed=None).save_pretrained(
+        directory
     )
-    getattr(transformers, model_class)(config).save_pretrained(directory)
     return directory
 
 

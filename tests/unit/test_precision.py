@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from support import RLINF_REF
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlinf_twoworker.api.demo import demo_config, make_inputs
@@ -33,7 +34,7 @@ from rlinf_twoworker.run.step import split_for_actors
 from rlinf_twoworker.storage.safe_dcp import unpickle_metadata
 from rlinf_twoworker.workers.actor import ActorWorker, prepare_for_training
 
-RLINF_YAML = Path(__file__).resolve().parents[2] / "shared/rlinf_ref"
+RLINF_YAML = RLINF_REF
 RLINF_YAML /= "qwen2.5-1.5b-grpo-pipeline-fsdp-sgl.yaml"
 ON_ONE_NODE = ("cluster.num_gpus_per_node=4",)  # the file's own placement: 4 GPUs on one node
 BF16 = (

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from support import tiny_lm
 
 from rlinf_twoworker.api.demo import build_tokenizer, demo_config, make_inputs
 from rlinf_twoworker.config import to_typed
@@ -43,34 +44,7 @@ def _tiny_lm(arch: str = "qwen2", vocab: int = 32, logit_scale: float = 1.0, **c
     """A seeded random fp32 Qwen2, Qwen3 or Mistral model of a few thousand weights. `logit_scale`
     multiplies the output layer: random init gives nearly flat next-token distributions, on
     which temperatures barely differ."""
-    from transformers import (
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    config_class, model_class = {
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-        "mistral": (MistralConfig, MistralForCausalLM),
-    }[arch]
-    cfg = config_class(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        **config,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = model_class(cfg).eval()
+    model = tiny_lm(arch, vocab=vocab, **{"max_position_embeddings": 128, **config})
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
     return model

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from support import RLINF_REF
 
 from rlinf_twoworker.config import (
     GRPOConfig,
@@ -801,12 +802,7 @@ def test_validation_error_names_key_value_and_rule(override: str, key: str, valu
     assert f"'{key}'" in message and repr(value) in message and rule in message
 
 
-SHIPPED_YAML = (
-    Path(__file__).resolve().parents[2]
-    / "shared"
-    / "rlinf_ref"
-    / "qwen2.5-1.5b-grpo-pipeline-fsdp-sgl.yaml"
-)
+SHIPPED_YAML = RLINF_REF / "qwen2.5-1.5b-grpo-pipeline-fsdp-sgl.yaml"
 
 
 def test_rlinfs_yaml_as_it_ships_loads_without_repo_path(monkeypatch: pytest.MonkeyPatch):

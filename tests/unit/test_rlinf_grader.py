@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from support import RLINF_REF
 
 from rlinf_twoworker.config import load_config
 from rlinf_twoworker.errors import ConfigError
@@ -24,7 +24,7 @@ from rlinf_twoworker.rewards import (
 from rlinf_twoworker.workers.reward import MathReward as WorkerMathReward
 from rlinf_twoworker.workers.reward import RewardWorker
 
-CASES = Path(__file__).resolve().parents[2] / "shared" / "rlinf_ref" / "grader_cases.json"
+CASES = RLINF_REF / "grader_cases.json"
 
 
 def reference_cases() -> list[dict[str, Any]]:

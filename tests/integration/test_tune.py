@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from support import EXAMPLES
 
 tune = pytest.importorskip("ray.tune", reason="the [tune] extra is not installed")
 
@@ -37,7 +38,6 @@ from rlinf_twoworker.workers.actor import ActorWorker  # noqa: E402
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 FAILED_ONCE = Path(tempfile.mkdtemp(prefix="rlinf-tune-")) / "actor-failed-at-step-2"
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ONE_GPU_A_NODE = [
     "cluster.num_nodes=2",
     "cluster.num_gpus_per_node=1",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
+from support import tiny_lm
 
 from rlinf_twoworker import run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config, make_inputs
@@ -30,18 +31,8 @@ SAME = (
 
 
 def tiny_qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    torch.manual_seed(0)  # also seeds what the test draws next
+    return tiny_lm(hidden=16, intermediate=32, seed=None)
 
 
 def test_released_weights_free_their_memory_and_refuse_use_until_refilled():

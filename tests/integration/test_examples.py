@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import EXAMPLES
 
 from rlinf_twoworker.results import STEP_STAGES
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TIMEOUT = 600
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from pathlib import Path
+
+from support import REPO
 
 from rlinf_twoworker.api.cli import build_parser
 from rlinf_twoworker.config import GRPOConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 DOCS = ROOT / "docs"
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
+from support import BENCHMARKS
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = BENCHMARKS
 RESULTS = BENCH / "results" / "h200-s13-call2-startup-table.json"
 
 

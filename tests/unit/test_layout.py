@@ -6,7 +6,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "rlinf_twoworker"
+from support import REPO
+
+PACKAGE = REPO / "rlinf_twoworker"
 
 
 def _module_name(path: Path) -> str:

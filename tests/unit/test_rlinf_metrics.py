@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import RLINF_REF
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rlinf_twoworker.algorithm import PolicyLoss, loss_weights, ppo_loss
@@ -281,7 +282,7 @@ def test_an_rlinf_config_file_does_not_validate_unless_asked(tmp_path: Path):
 
 
 def test_rlinfs_yaml_as_shipped_does_not_validate():
-    shipped = Path(__file__).resolve().parents[2] / "shared" / "rlinf_ref"
+    shipped = RLINF_REF
     path = shipped / "qwen2.5-1.5b-grpo-pipeline-fsdp-sgl.yaml"
     if not path.is_file():
         pytest.skip(f"RLinf's reference YAML is not here ({path}): ../shared is absent")

@@ -1,0 +1,59 @@
+"""What several test modules share: the repository's paths and one builder of tiny models.
+
+pytest puts this folder on sys.path (pyproject's `pythonpath`): `from support import tiny_lm`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+BENCHMARKS = REPO / "benchmarks"
+RLINF_REF = REPO.parent / "shared" / "rlinf_ref"
+"""RLinf's reference data (the grader's verdicts, its YAML), beside the repository where the
+project's shared folder is; the tests that read it skip, saying why, where it is absent."""
+
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def tiny_lm(
+    family: str = "qwen2",
+    *,
+    vocab: int = 64,
+    hidden: int = 32,
+    intermediate: int = 64,
+    layers: int = 2,
+    seed: int | None = 0,
+    tied: bool = False,
+    **config: Any,
+) -> Any:
+    """A transformers causal LM of a few thousand weights (4 attention heads, 2 KV heads),
+    fp32, in eval mode; seeded without touching the caller's RNG unless `seed` is None.
+    `config`: any other field of the family's config (head_dim, max_position_embeddings...)."""
+    import torch
+    import transformers
+
+    config_name, model_name = FAMILIES[family]
+    settings = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    made = getattr(transformers, config_name)(**{**settings, **config})
+    model_class = getattr(transformers, model_name)
+    if seed is None:
+        return model_class(made).eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_class(made).eval()
