@@ -25,8 +25,18 @@ def cluster_2x2():
 
 
 @pytest.fixture(scope="session")
+def demo_inputs(tmp_path_factory):
+    """The demo's inputs (its default task), made once for the session; read-only: a test that
+    changes inputs makes its own."""
+    from rlinf_twoworker.api.demo import make_inputs
+
+    return make_inputs(tmp_path_factory.mktemp("demo-inputs"))
+
+
+@pytest.fixture(scope="session")
 def finished_inputs(tmp_path_factory):
-    """The demo's inputs (digit task), made once for the session."""
+    """The demo's inputs on the digit task (answers differ in reward from random weights on),
+    made once for the session; read-only."""
     from rlinf_twoworker.api.demo import make_inputs
 
     return make_inputs(tmp_path_factory.mktemp("finished-inputs"), task="digit7")

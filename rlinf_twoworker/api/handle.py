@@ -357,6 +357,7 @@ def _start_controller(
             max_concurrency=1000,
             max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+            **_controller_env(typed),
         )
         .remote(cfg, typed, str(run_dir), component_classes, called_at, callers_group)
     )
@@ -369,6 +370,15 @@ def _start_controller(
             "records it: start a new run with a new RUN_ID"
         ) from exc
     return controller
+
+
+def _controller_env(typed: GRPOConfig) -> dict[str, Any]:
+    """The Driver's WANDB_*/MLFLOW_* variables for the controller's process, when the run logs
+    to wandb or MLflow (run/metric_loggers.py): Ray starts it with the node's environment."""
+    from rlinf_twoworker.run.metric_loggers import forwarded_env
+
+    env = forwarded_env(typed.runner.logger.logger_backends)
+    return {"runtime_env": {"env_vars": env}} if env else {}
 
 
 def _callers_group(placement_group: Any, typed: GRPOConfig) -> Any:

@@ -206,12 +206,15 @@ def check_inputs(typed: Any) -> None:
 
 def input_problems(typed: Any) -> list[str]:
     """Checks of the inputs on this node, in seconds (the preflight checks digests on every
-    node): reward.reward_fn's function, model directories, tokenizer directories, data files
+    node): reward.reward_fn's function, the metric loggers' packages, model directories, tokenizer directories, data files
     (every line parsed as the run parses it), each input's SHA256SUMS (present, well formed,
     listing a data file); one problem per path."""
+    from rlinf_twoworker.run.metric_loggers import missing_backends
+
     problems: list[str | None] = []
     if (error := reward_fn_error(typed)) is not None:  # resolve_request raised it already
         problems.append(str(error))
+    problems += missing_backends(typed.runner.logger.logger_backends or [])
     unusable: set[Path] = set()
     for path, keys in _paths_by_key(_model_keys(typed)).items():
         problem = _directory_problem(path, keys, "model")

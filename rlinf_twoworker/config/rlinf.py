@@ -72,15 +72,6 @@ RULES: tuple[Rule, ...] = (
         "critic.use_critic_model", (False,), "GRPO has no critic; set critic.use_critic_model=false"
     ),
     Rule("runner.task_type", ("reasoning",), "the library trains reasoning (math) tasks only"),
-    Rule("runner.logger.project_name", None, "a wandb/swanlab project name; it changes no result"),
-    Rule("runner.logger.experiment_name", None, "a wandb/swanlab run name; it changes no result"),
-    Rule(
-        "runner.logger.logger_backends",
-        (["tensorboard"],),
-        "the library logs to TensorBoard only; set runner.logger.logger_backends=[tensorboard]",
-    ),
-    Rule("runner.logger.wandb_proxy", None, "a wandb setting; wandb is not a backend here"),
-    Rule("runner.logger.wandb_entity", None, "a wandb setting; wandb is not a backend here"),
     Rule("runner.logger.swanlab_mode", None, "a swanlab setting; swanlab is not a backend here"),
     Rule("algorithm.loss_type", ("actor",), "GRPO's actor loss is the only loss here"),
     Rule(
@@ -248,11 +239,38 @@ class LoggerConfig:
     the run directory (a relative path is taken from it; `..` is refused). The postflight and
     `report` read it from the run's record."""
     project_name: str = "rlinf"
+    """The wandb project and the MLflow experiment (RLinf's meaning for wandb)."""
     experiment_name: str | None = None
+    """The wandb and MLflow run's name; None: runner.experiment_name (the run id)."""
     logger_backends: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Where each step's metrics go besides the run's record: tensorboard, wandb, mlflow
+    (LOGGER_BACKENDS). TensorBoard is always written (the postflight and `report` read it);
+    wandb (extra `wandb`) and MLflow (extra `mlflow`) are added when listed. RLinf's swanlab is
+    refused by name."""
     wandb_proxy: str | None = None
+    """wandb's https proxy (wandb.Settings(https_proxy=...)), as in RLinf."""
     wandb_entity: str | None = None
+    """wandb's entity (team or user); None: wandb's default."""
     swanlab_mode: str | None = None
+
+    def __post_init__(self) -> None:
+        backends = self.logger_backends
+        for name in backends or []:
+            if name not in LOGGER_BACKENDS:
+                why = (
+                    "swanlab is not a backend of the library; use tensorboard, wandb or mlflow"
+                    if name == "swanlab"
+                    else f"the backends are {', '.join(LOGGER_BACKENDS)}"
+                )
+                raise ConfigError("runner.logger.logger_backends", backends, why)
+
+    def uses(self, backend: str) -> bool:
+        return backend in (self.logger_backends or [])
+
+
+LOGGER_BACKENDS = ("tensorboard", "wandb", "mlflow")
+"""The metric loggers `runner.logger.logger_backends` may list (RLinf has tensorboard, wandb
+and swanlab; MLflow is the library's)."""
 
 
 @dataclass(kw_only=True)

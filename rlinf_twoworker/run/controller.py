@@ -633,14 +633,25 @@ class RunController:
         result.metrics.update(val)
 
     def _observers(self, group: ComponentGroup) -> list[RunObserver]:
-        """The run loop's observers, in the order it calls them (run/observers.py)."""
-        return [
+        """The run loop's observers, in the order it calls them (run/observers.py), with the
+        metric loggers runner.logger.logger_backends adds (run/metric_loggers.py)."""
+        observers = [
             StartupRecord(group, self.cfg, self.clock, self.log, self.warm_up),
             MemoryMetrics(group, self.cfg),
             StepLine(self.log, self.total_steps),  # before the step's scalars are written
             TensorBoard(self.io, self.cfg, self.total_steps),
             self.ray_metrics,
         ]
+        logger = self.cfg.runner.logger
+        if logger.uses("wandb") or logger.uses("mlflow"):
+            from rlinf_twoworker.run.metric_loggers import MlflowLogger, WandbLogger
+
+            config = cast(dict[str, Any], OmegaConf.to_container(self.raw_cfg, resolve=True))
+            if logger.uses("wandb"):
+                observers.append(WandbLogger(self.io, self.cfg, config))
+            if logger.uses("mlflow"):
+                observers.append(MlflowLogger(self.io, self.cfg, config))
+        return observers
 
     def _validates_at(self, step: int) -> bool:
         """The library's validation (runner.validate) on RLinf's schedule (check_progress's

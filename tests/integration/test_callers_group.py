@@ -10,7 +10,7 @@ from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlinf_twoworker import run_grpo_two_worker
-from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.api.demo import demo_config
 from rlinf_twoworker.cluster.placement import bundle_node_ids, wait_removed
 from rlinf_twoworker.errors import TwoWorkerError
 
@@ -18,8 +18,8 @@ TIMEOUT = 600
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    return make_inputs(tmp_path_factory.mktemp("inputs"))
+def inputs(demo_inputs):
+    return demo_inputs
 
 
 def _group(strategy: str = "STRICT_SPREAD", gpus: float = 2, bundles: int = 2):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rlinf_twoworker import RunCancelledError, TwoWorkerError, run_grpo_two_worker
-from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.api.demo import demo_config
 from rlinf_twoworker.cluster.placement import bundle_node_ids
 from rlinf_twoworker.config import to_typed
 from rlinf_twoworker.storage.data import load_jsonl
@@ -45,8 +45,8 @@ EARLY_PHASES = (
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    return make_inputs(tmp_path_factory.mktemp("inputs"), task="digit7")
+def inputs(finished_inputs):
+    return finished_inputs
 
 
 def live_placement_groups() -> list[dict]:

@@ -18,7 +18,7 @@ import pytest
 import ray
 
 from rlinf_twoworker import ComponentError, RunCancelledError, run_grpo_two_worker
-from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.api.demo import demo_config
 from rlinf_twoworker.workers.reward import MathReward, RewardWorker
 
 # Classes injected into a run travel by value: the workers cannot import this test module.
@@ -44,8 +44,8 @@ GRADERS = Path(tempfile.mkdtemp(prefix="rlinf-long-use-"))
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    return make_inputs(tmp_path_factory.mktemp("inputs"))
+def inputs(demo_inputs):
+    return demo_inputs
 
 
 class HangingReward(RewardWorker):

@@ -26,7 +26,7 @@ from ray.util.placement_group import placement_group, placement_group_table
 
 import rlinf_twoworker
 from rlinf_twoworker import ComponentError, RunCancelledError, run_grpo_two_worker
-from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.api.demo import demo_config
 from rlinf_twoworker.cluster.connect import NAMESPACE
 from rlinf_twoworker.cluster.placement import wait_removed
 from rlinf_twoworker.cluster.probe import NodeProbe
@@ -54,8 +54,8 @@ ONE_NODE = [
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    return make_inputs(tmp_path_factory.mktemp("inputs"))
+def inputs(demo_inputs):
+    return demo_inputs
 
 
 # ---- injected components ---------------------------------------------------------------------

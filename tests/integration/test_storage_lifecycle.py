@@ -45,8 +45,8 @@ ONE_NODE = [
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    return make_inputs(tmp_path_factory.mktemp("inputs"))
+def inputs(demo_inputs):
+    return demo_inputs
 
 
 class Launcher:

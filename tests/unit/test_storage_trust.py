@@ -66,8 +66,8 @@ def save_checkpoint(checkpoint: Path, extra: dict | None = None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> DemoInputs:
-    return make_inputs(tmp_path_factory.mktemp("inputs"))
+def inputs(demo_inputs) -> DemoInputs:
+    return demo_inputs
 
 
 @pytest.fixture(scope="module")
