@@ -406,8 +406,7 @@ def _callers_group(placement_group: Any, typed: GRPOConfig) -> Any:
             f"the caller's placement group {placement_group.id.hex()[:8]} was not ready within "
             f"{timeout:g} s (runner.timeouts.placement_s); check that the cluster can place it"
         )
-    here = ray.get_runtime_context().get_node_id()
-    problems = callers_group_problems(placement_group, typed.cluster, here)
+    problems = callers_group_problems(placement_group, typed.cluster)
     if problems:
         raise TwoWorkerError(
             f"the caller's placement group {placement_group.id.hex()[:8]} does not fit the "

@@ -100,12 +100,3 @@ def check_cluster(cfg: GRPOConfig) -> None:
             f"{cfg.cluster.num_nodes} nodes with {cfg.cluster.num_gpus_per_node} GPUs each are "
             f"needed; the alive nodes have GPUs {gpus}. Fix cluster.num_gpus_per_node."
         )
-    here = ray.get_runtime_context().get_node_id()
-    own = next((n for n in alive if n["NodeID"] == here), None)
-    own_gpus = int(own["Resources"].get("GPU", 0)) if own else 0
-    if own_gpus < cfg.cluster.num_gpus_per_node:
-        raise ClusterError(
-            f"this node (the Driver's, {here[:8]}) has {own_gpus} GPU(s), but bundle 0 of the "
-            f"placement group (rollout, reward, inference) is pinned here and needs "
-            f"{cfg.cluster.num_gpus_per_node}: run the Driver on the Ray Head with its GPUs"
-        )

@@ -64,7 +64,9 @@ class LocalCluster:
     cluster running on the host (its address file, its session directory). preload=True
     starts the nodes as `RAY_preload_python_modules=rlinf_twoworker.preload
     RAY_enable_worker_prestart=1 ray start` would: each node's idle workers (one per CPU)
-    import the library ahead of a run (rlinf_twoworker/preload.py).
+    import the library ahead of a run (rlinf_twoworker/preload.py). cpu_head=True adds a
+    head node without GPUs in front of the num_nodes GPU nodes, as KubeRay and hosted Ray
+    make it: this process connects to it, and the run's bundle 0 goes to a GPU node.
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class LocalCluster:
         connect: bool = True,
         object_store_mb: int = 150,
         preload: bool = False,
+        cpu_head: bool = False,
     ) -> None:
         if num_nodes < 1 or gpus_per_node < 1:
             raise ValueError(
@@ -83,7 +86,7 @@ class LocalCluster:
             )
         self.num_nodes, self.gpus_per_node = num_nodes, gpus_per_node
         self.cpus_per_node, self.connect = cpus_per_node, connect
-        self.preload = preload
+        self.preload, self.cpu_head = preload, cpu_head
         self.object_store_bytes = object_store_mb * 1024 * 1024
         self.real_gpus = visible_cuda_gpus() >= num_nodes * gpus_per_node
         self._cluster: Any = None  # ray.cluster_utils.Cluster once started
@@ -125,7 +128,13 @@ class LocalCluster:
         ray_constants.ENABLE_RAY_CLUSTER = False
         # Short: Ray's unix socket paths live under it and must stay under ~100 characters.
         self._temp_dir = tempfile.mkdtemp(prefix="rlinf-ray-", dir="/tmp")
-        head = dict(self._node_args(0), include_dashboard=False, dashboard_host=LOOPBACK)
+        if self.cpu_head:  # a node of CPUs only, then every GPU node
+            head = dict(self._node_args(0), num_gpus=0, resources={"local_head": 1.0})
+            head.pop("env_vars", None)
+            gpu_nodes = range(self.num_nodes)
+        else:
+            head, gpu_nodes = self._node_args(0), range(1, self.num_nodes)
+        head.update(include_dashboard=False, dashboard_host=LOOPBACK)
         if self.preload:  # cluster-wide: every node's raylet reads it from the head
             head["_system_config"] = {
                 "preload_python_modules": [PRELOAD_MODULE],
@@ -134,7 +143,7 @@ class LocalCluster:
         with _host_address_untouched():
             cluster = Cluster(initialize_head=True, head_node_args=head)
             self._cluster = cluster
-            for index in range(1, self.num_nodes):
+            for index in gpu_nodes:
                 cluster.add_node(**self._node_args(index))
         cluster.wait_for_nodes()
         if self.connect and not ray.is_initialized():

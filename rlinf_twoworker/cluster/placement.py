@@ -37,14 +37,29 @@ def _alive_nodes_summary() -> str:
     return "; ".join(parts) or "no alive nodes"
 
 
+def driver_holds_bundle_0(cluster: ClusterConfig) -> bool:
+    """Whether bundle 0 (the Head's components: rollout, reward, inference) goes on the
+    caller's node: when that node has cluster.num_gpus_per_node GPUs (the tutorial's Head).
+    A caller on a node without them (a CPU-only Head, as KubeRay and hosted Ray make it) lets
+    Ray put bundle 0 on a GPU node; the run's controller stays with the caller."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    own = next((n for n in ray.nodes() if n.get("NodeID") == here and n.get("Alive")), None)
+    gpus = float((own or {}).get("Resources", {}).get("GPU", 0))
+    return gpus >= cluster.num_gpus_per_node
+
+
 def request_placement_group(cluster: ClusterConfig, name: str) -> PlacementGroup:
-    """Ask for one STRICT_SPREAD group, bundle 0 on the caller's node (returns at once)."""
+    """Ask for one STRICT_SPREAD group (returns at once): bundle 0 on the caller's node when it
+    has the GPUs (driver_holds_bundle_0), else wherever Ray finds a node for it."""
     import ray
     from ray.util.placement_group import placement_group
 
     bundle = {"GPU": float(cluster.num_gpus_per_node), "CPU": float(cluster.cpus_per_bundle)}
     here = ray.get_runtime_context().get_node_id()
-    selectors = [{"ray.io/node-id": here}] + [{} for _ in range(cluster.num_nodes - 1)]
+    first = {"ray.io/node-id": here} if driver_holds_bundle_0(cluster) else {}
+    selectors = [first] + [{} for _ in range(cluster.num_nodes - 1)]
     return placement_group(
         [dict(bundle) for _ in range(cluster.num_nodes)],
         strategy="STRICT_SPREAD",
@@ -58,24 +73,29 @@ def placement_timeout_error(cluster: ClusterConfig, name: str, timeout_s: float)
     import ray
 
     here = ray.get_runtime_context().get_node_id()
+    first = (
+        f"bundle 0 on this node ({here[:8]})"
+        if driver_holds_bundle_0(cluster)
+        else (f"bundle 0 on any of them (this node, {here[:8]}, has fewer GPUs)")
+    )
     return PlacementError(
         f"placement group '{name}' not scheduled within {timeout_s:g} s: STRICT_SPREAD needs "
         f"{cluster.num_nodes} nodes with {cluster.num_gpus_per_node} free GPU(s) and "
-        f"{cluster.cpus_per_bundle} CPU(s) each, bundle 0 on this node ({here[:8]}); alive: "
+        f"{cluster.cpus_per_bundle} CPU(s) each, {first}; alive: "
         f"{_alive_nodes_summary()}. Add nodes or free GPUs, or lower cluster.num_nodes / "
         "cluster.num_gpus_per_node."
     )
 
 
-def callers_group_problems(pg: PlacementGroup, cluster: ClusterConfig, here: str) -> list[str]:
+def callers_group_problems(pg: PlacementGroup, cluster: ClusterConfig) -> list[str]:
     """What in a placement group the caller owns differs from what the config asks for (every
     difference, empty when it fits): STRICT_SPREAD, cluster.num_nodes bundles of
-    cluster.num_gpus_per_node GPUs each, bundle 0 on the caller's node `here`."""
+    cluster.num_gpus_per_node GPUs each. Its bundle 0 may be on any node: the Head's
+    components go where it is (the caller's node need not hold it)."""
     from ray.util.placement_group import placement_group_table
 
     table = placement_group_table(pg)
     bundles = table.get("bundles") or {}
-    nodes = table.get("bundles_to_node_id") or {}
     problems = []
     if table.get("strategy") != "STRICT_SPREAD":
         problems.append(
@@ -89,11 +109,6 @@ def callers_group_problems(pg: PlacementGroup, cluster: ClusterConfig, here: str
         problems.append(
             f"GPUs per bundle are not cluster.num_gpus_per_node={cluster.num_gpus_per_node} "
             f"({', '.join(wrong)})"
-        )
-    if nodes and nodes.get(0) != here:
-        problems.append(
-            f"bundle 0 is on node {str(nodes.get(0))[:8]}, not on the caller's node {here[:8]} "
-            "(the Head's components and the run's controller live with the caller)"
         )
     return problems
 

@@ -335,6 +335,12 @@ class RunController:
             self.pg = await self._place()
         places = await asyncio.to_thread(_bundle_places, self.pg)
         self.bundle_nodes = [p["node_id"] for p in places]
+        here = await asyncio.to_thread(_node_id)
+        if places[0]["node_id"] != here:  # a caller's group, or a Driver without GPUs
+            self.log.info(
+                f"PLACEMENT bundle 0 (the Head's components) on node {places[0]['node_id'][:8]} "
+                f"({places[0]['ip']}), not on the controller's node {here[:8]}"
+            )
         self.placement_f.set(self.pg)
         self.phase = "preflight"
         # The components' processes start now, beside the preflight's probes (a process
@@ -712,6 +718,12 @@ class RunController:
             self.group.kill()
         if self.pg is not None and self.pg is not self.callers_group:
             wait_removed(self.pg)
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 def _bundle_places(pg: Any) -> list[dict[str, str]]:

@@ -359,45 +359,38 @@ def test_model_that_is_not_a_causal_lm_fails_in_preflight_naming_the_model(
     assert_failed_cleanly(tmp_path / "out" / "not-causal", inputs, before, error)
 
 
-DRIVER_WITHOUT_GPUS = r"""
-import os
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+CPU_HEAD_RUN = r"""
+import json, sys
+from pathlib import Path
 import ray
-from ray.cluster_utils import Cluster
-from rlinf_twoworker import ClusterError
-from rlinf_twoworker.config import load_config, to_typed
-from rlinf_twoworker.cluster.connect import check_cluster
+from rlinf_twoworker import run_grpo_two_worker
+from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.cluster.local import LocalCluster
 
-args = dict(node_ip_address="127.0.0.1", num_cpus=1, object_store_memory=80 * 2**20)
-cluster = Cluster(initialize_head=True, head_node_args=dict(args, num_gpus=0,
-                                                             include_dashboard=False))
-for _ in range(2):  # on another loopback address, so the Driver attaches to the head
-    cluster.add_node(**dict(args, node_ip_address="127.0.0.2"), num_gpus=2)
-cluster.wait_for_nodes()
-ray.init(address=cluster.address, _node_ip_address="127.0.0.1")
-try:
-    check_cluster(to_typed(load_config(overrides=["cluster.accelerator=cpu"])))
-    print("NO ERROR")
-except ClusterError as exc:
-    print("ClusterError:", exc)
-finally:
-    ray.shutdown()
-    cluster.shutdown()
+root = Path(sys.argv[1])
+with LocalCluster(num_nodes=2, gpus_per_node=2, cpu_head=True):
+    here = ray.get_runtime_context().get_node_id()
+    [own] = [n for n in ray.nodes() if n["NodeID"] == here]
+    handle = run_grpo_two_worker(demo_config(make_inputs(root / "inputs"), root, "cpu-head"))
+    report = handle.result(timeout=300)
+    placed = {row["component"]: row["node_id"] for row in handle.topology()}
+    print(json.dumps({"passed": report.passed, "errors": report.errors, "here": here,
+                      "driver_gpus": own["Resources"].get("GPU", 0), "placed": placed}))
 """
 
 
-def test_a_driver_on_a_node_without_gpus_is_told_at_once(tmp_path):
-    """Bundle 0 is pinned to the Driver's node: without GPUs there, say so instead of
-    waiting for the placement timeout."""
-    done = subprocess.run(
-        [sys.executable, "-c", DRIVER_WITHOUT_GPUS],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=tmp_path,
-    )
-    assert "ClusterError: this node (the Driver's" in done.stdout, done.stdout + done.stderr
-    assert "has 0 GPU(s)" in done.stdout
+@pytest.mark.slow
+def test_a_driver_on_a_head_without_gpus_runs_with_bundle_0_on_a_gpu_node(tmp_path, own_process):
+    """A Head of CPUs only (KubeRay, hosted Ray): the controller runs with the Driver, bundle 0
+    (rollout, reward, inference) on the first GPU node Ray finds, named in the log."""
+    result = own_process(CPU_HEAD_RUN, str(tmp_path), timeout=600)
+    assert result["passed"], result["errors"]
+    assert result["driver_gpus"] == 0
+    placed, here = result["placed"], result["here"]
+    assert placed["rollout"] == placed["reward"] == placed["inference"] != here
+    assert placed["actor"] not in (here, placed["rollout"])
+    log = (tmp_path / "cpu-head" / "log" / "main.log").read_text()
+    assert f"on node {placed['rollout'][:8]}" in log and f"controller's node {here[:8]}" in log
 
 
 def test_a_hand_built_config_with_a_refused_rlinf_value_fails_before_anything(tmp_path):

@@ -22,32 +22,42 @@ def inputs(demo_inputs):
     return demo_inputs
 
 
-def _group(strategy: str = "STRICT_SPREAD", gpus: float = 2, bundles: int = 2):
+def _group(
+    strategy: str = "STRICT_SPREAD", gpus: float = 2, bundles: int = 2, first: str | None = None
+):
     """A group as a caller (a Tune trial, a program that reserved its GPUs) would make it,
-    bundle 0 on this node."""
-    here = ray.get_runtime_context().get_node_id()
+    bundle 0 on node `first` (this node when None)."""
+    first = first or ray.get_runtime_context().get_node_id()
     pg = placement_group(
         [{"GPU": gpus, "CPU": 1} for _ in range(bundles)],
         strategy=strategy,
-        bundle_label_selector=[{"ray.io/node-id": here}] + [{}] * (bundles - 1),
+        bundle_label_selector=[{"ray.io/node-id": first}] + [{}] * (bundles - 1),
     )
     assert ray.get(pg.ready(), timeout=60) is not None
     return pg
 
 
 def test_a_run_in_the_callers_group_leaves_the_group_to_the_caller(cluster_2x2, inputs, tmp_path):
-    pg = _group()
+    """Bundle 0 where Ray or the caller put it, here on the other node than the caller's: the
+    Head's components go there, the controller stays with the caller."""
+    here = ray.get_runtime_context().get_node_id()
+    other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
+    pg = _group(first=other)
     try:
         handle = run_grpo_two_worker(demo_config(inputs, tmp_path, "callers"), placement_group=pg)
         report = handle.result(timeout=TIMEOUT)
         assert report.passed, report.errors
         assert handle.placement_group.id == pg.id
         nodes = bundle_node_ids(pg)
-        assert {row["node_id"] for row in handle.topology()} <= set(nodes)
+        assert nodes[0] == other
+        placed = {row["component"]: row["node_id"] for row in handle.topology()}
+        assert placed["rollout"] == placed["reward"] == placed["inference"] == other
+        assert placed["actor"] == here
         # Released what it made (its actors), not the caller's group.
         assert placement_group_table(pg)["state"] == "CREATED"
         log = (tmp_path / "callers/log/main.log").read_text()
         assert f"PLACEMENT_GROUP the caller's {pg.id.hex()[:8]} (not removed)" in log
+        assert f"PLACEMENT bundle 0 (the Head's components) on node {other[:8]}" in log
 
         # The caller can use its group again at once: the run gave its GPUs back.
         @ray.remote(num_gpus=2, num_cpus=0)
