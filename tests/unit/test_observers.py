@@ -1,0 +1,98 @@
+"""The run loop's observers, each on its own: driven through their points with real step
+results, writing real files (no cluster: each reads only what it is given)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from pathlib import Path
+
+import pytest
+
+from rlinf_twoworker.config import load_config, to_typed
+from rlinf_twoworker.results import StepResult
+from rlinf_twoworker.run.observers import StepLine, TensorBoard, step_line
+from rlinf_twoworker.run.storage_io import StorageIO
+from rlinf_twoworker.run.tasks import background
+from rlinf_twoworker.storage.metrics import event_files, read_scalars
+
+
+def _result(step: int, reward: float) -> StepResult:
+    metrics = {
+        "rollout/reward_scores": reward,
+        "actor/training/actor/final_loss": -0.5 * step,
+        "actor/training/actor/grad_norm": 1.0,
+        "actor/training/actor/lr": 1e-6,
+    }
+    timings = {"time/step": 2.0, "time/rollout": 1.0, "time/actor/training": 0.8}
+    timings["time/sync_weights"] = 0.1
+    minibatches = [{"actor/training/actor/final_loss": -0.5 * step}]
+    return StepResult(step, metrics, timings, minibatches=minibatches)
+
+
+@pytest.fixture
+def run(tmp_path: Path):
+    cfg = to_typed(
+        load_config(overrides=[f"runner.output_dir={tmp_path}", "runner.experiment_name=observed"])
+    )
+    (cfg.run_dir / "log").mkdir(parents=True)
+    return cfg, StorageIO(cfg.run_dir, "observed")
+
+
+def test_tensorboard_writes_each_steps_scalars_at_its_step(run):
+    cfg, io = run
+    observer = TensorBoard(io, cfg, total_steps=2)
+
+    async def drive() -> None:
+        await observer.training_begins()
+        for step, reward in ((1, 0.25), (2, 0.75)):
+            await observer.step_done(step, _result(step, reward))
+        await observer.training_ends()
+        await io.call(lambda: None)  # after the queued close
+
+    asyncio.run(drive())
+    scalars = read_scalars(event_files(cfg.run_dir))
+    assert scalars["rollout/reward_scores"] == {1: 0.25, 2: 0.75}
+    assert scalars["time/step"] == {1: 2.0, 2: 2.0}
+
+
+def test_the_step_line_goes_to_the_runs_log(run):
+    cfg, io = run
+    result = _result(1, 0.5)
+
+    async def drive() -> None:
+        await StepLine(io.log, total_steps=2).step_done(1, result)
+        await io.call(lambda: None)
+
+    asyncio.run(drive())
+    line = step_line(1, 2, result)
+    assert line.startswith("STEP 1/2 reward=0.5000 loss=-0.500000 ")
+    assert "(rollout 1.00s, actor 0.80s, sync 0.10s)" in line
+    assert line in (cfg.run_dir / "log" / "main.log").read_text()
+
+
+def test_background_work_that_nobody_awaits_never_loses_its_error():
+    reported: list[dict] = []
+
+    async def fails() -> None:
+        raise RuntimeError("lost?")
+
+    async def drive() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: reported.append(ctx))
+        future = background(fails())
+        await asyncio.sleep(0.05)
+        assert future.done() and isinstance(future.exception(), RuntimeError)
+        del future
+        gc.collect()
+
+    asyncio.run(drive())
+    assert reported == []  # retrieved: asyncio reports no "exception was never retrieved"
+
+    async def unretrieved() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: reported.append(ctx))
+        asyncio.ensure_future(fails())  # the way background avoids
+        await asyncio.sleep(0.05)
+        gc.collect()
+
+    asyncio.run(unretrieved())
+    assert reported and "never retrieved" in reported[0]["message"]
