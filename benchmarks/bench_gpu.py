@@ -1,6 +1,6 @@
 """GPU benchmark suite: one command, JSON out, a table last.
 
-    python benchmarks/bench_gpu.py --out results.json [--quick]
+    python -m benchmarks gpu [--quick]     (or: python benchmarks/bench_gpu.py [--out FILE] ...)
 
 Sections (each a median of several timed runs after warm-up, CUDA-synchronised):
   rollout    decode tokens/s of transformers' generate vs the library's static sampler
@@ -29,7 +29,9 @@ Sections (each a median of several timed runs after warm-up, CUDA-synchronised):
              decode tokens/s against generate (bf16) (probe_qwen3.py; not in the default list)
 The model is the DeepSeek-R1-Distill-Qwen-1.5B shape (Qwen2, random weights) saved to a local
 directory, so the library's real loading code runs. Timing lives here, never in tests. The
-results file records the commit ($RLINF_COMMIT, else git's, else 'unknown') and the command.
+results go to benchmarks/results/<section>-<configuration>-<hardware>.json (record.py) unless
+--out names a file, with the commit ($RLINF_COMMIT, else git's, else 'unknown'), the command,
+the versions and the GPU.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ import functools
 import gc
 import json
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -50,6 +51,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from record import hardware_tag, provenance, write_result  # benchmarks/ is the script's path
 from shapes import QWEN_1P5B  # benchmarks/ is the script's path
 
 
@@ -909,12 +911,14 @@ def _scaling(model_dir: Path, args: argparse.Namespace) -> dict:
     return out
 
 
-def _scale(model_dir: Path, root: Path, args: argparse.Namespace, results: dict) -> dict:
+def _scale(
+    model_dir: Path, root: Path, args: argparse.Namespace, results: dict, key: tuple[str, str, str]
+) -> dict:
     from bench_scale import bench_scale, scale_table  # benchmarks/ is the script's path
 
     def save(section: dict) -> None:  # each case's figures on disk as soon as it ends
         results["scale"] = section
-        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+        write_result(*key, results, args.out)
 
     out = bench_scale(
         model_dir,
@@ -932,34 +936,36 @@ def _scale(model_dir: Path, root: Path, args: argparse.Namespace, results: dict)
     return out
 
 
-def commit() -> dict[str, str | bool | None]:
-    """The library's commit: $RLINF_COMMIT where the caller sets it (a copy whose .git is not
-    the tree's), else git's (and whether tracked files differ from it), else 'unknown'."""
-    if os.environ.get("RLINF_COMMIT"):
-        return {"commit": os.environ["RLINF_COMMIT"], "commit_dirty": None}
-    here = Path(__file__).resolve().parent
+def result_key(args: argparse.Namespace) -> tuple[str, str]:
+    """The results file's section and configuration (record.result_name): a lone section that
+    `python -m benchmarks` names is its own section, configured by its options; any other list
+    of sections is the `gpu` section, configured by that list."""
+    sections = args.sections.split(",")
+    if sections[0] == "startup":
+        return "startup", "+".join([*args.startup_runs.split(","), *sections[1:]])
+    if sections == ["scale"]:
+        from bench_scale import parse_cases  # benchmarks/ is the script's path
 
-    def git(*argv: str) -> str | None:
-        try:
-            done = subprocess.run(
-                ["git", *argv], cwd=here, capture_output=True, text=True, timeout=30
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    head = git("rev-parse", "HEAD")
-    if head:
-        changed = git("status", "--porcelain", "--untracked-files=no")
-        return {"commit": head, "commit_dirty": None if changed is None else bool(changed)}
-    return {"commit": "unknown", "commit_dirty": None}
+        return "scale", "+".join(parse_cases(args.scale_cases))
+    if sections == ["memory"]:
+        return "memory", args.memory_runs or "all"
+    if sections == ["scaling"]:
+        return "scaling", args.scaling_cases
+    if sections in (["qwen3"], ["pipelining"]):
+        return sections[0].replace("pipelining", "pipeline"), "default"
+    return "gpu", "+".join(sections)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default="bench_results.json")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="the results file (default: benchmarks/results/<section>-<configuration>-"
+        "<hardware>.json, record.py's name; a newer run of the configuration replaces it)",
+    )
     parser.add_argument("--root", default="/tmp/rlinf-bench")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
@@ -1030,9 +1036,13 @@ def main(argv: list[str] | None = None) -> None:
 
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
+    command = sys.argv if argv is None else ["bench_gpu.py", *argv]
+    section, configuration = result_key(args)
+    hardware = hardware_tag(
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    )
     results: dict = {
-        **commit(),
-        "command": shlex.join(sys.argv if argv is None else ["bench_gpu.py", *argv]),
+        **provenance(command),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -1058,7 +1068,7 @@ def main(argv: list[str] | None = None) -> None:
             model_dir, root, only=tuple(filter(None, args.memory_runs.split(",")))
         ),
         "scaling": lambda: _scaling(model_dir, args),
-        "scale": lambda: _scale(model_dir, root, args, results),
+        "scale": lambda: _scale(model_dir, root, args, results, (section, configuration, hardware)),
         "pipelining": lambda: _pipelining(root),
         "qwen3": _qwen3,
     }
@@ -1074,9 +1084,10 @@ def main(argv: list[str] | None = None) -> None:
         results[name]["section_s"] = time.perf_counter() - start
         gc.collect()  # FSDP modules hold reference cycles: free each section's GPU memory
         torch.cuda.empty_cache()
-        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+        out = write_result(section, configuration, hardware, results, args.out, command)
         print(f"[{name}] {json.dumps(results[name], default=str)[:1500]}", flush=True)
     print(json.dumps(results, indent=2, default=str))
+    print(f"results: {out}")
     if "startup" in results:
         print(time_to_result_table(results))
         print(step1_table(results))

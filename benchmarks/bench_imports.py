@@ -98,11 +98,15 @@ def bytecode() -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=5)
-    parser.add_argument("--out", default="")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--out", default=None, help="default: benchmarks/results/imports-<config>-<hardware>.json"
+    )
+    args = parser.parse_args(argv)
+    from record import write_result  # benchmarks/ is the script's path
+
     child()  # bytecode caches written, files in the page cache
     alone = [child() for _ in range(2)]
     start = time.perf_counter()
@@ -136,11 +140,9 @@ def main() -> None:
             )[:15]
         ],
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+    print(json.dumps(result, indent=2))
+    path = write_result("imports", f"processes{args.processes}", None, result, args.out)
+    print(f"results: {path}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Learning benchmark: GRPO must raise the reward of the demo's 24M model on the "digit" task.
 
-    python benchmarks/bench_learning.py --tag h200               # one GPU, 200 steps, lr 1e-5
-    python benchmarks/bench_learning.py --smoke --tag cpu-smoke  # CPU, tiny model, 8 steps
+    python -m benchmarks learning                  # one GPU, 200 steps, lr 1e-5
+    python -m benchmarks learning --smoke          # CPU, tiny model, 8 steps
+    (the same: python benchmarks/bench_learning.py [--smoke])
 
 The model is `make_inputs(size="small")`: a random Qwen2 (8 layers, hidden 512) whose answer
 prior makes it reply with one digit 0..8 then EOS, so a random policy is right about one time in
@@ -16,7 +17,7 @@ few steps on the way (benchmarks/RESULTS.md).
 
 Per step it records the reward, the correct fraction, the loss, the grad norm, the share of
 groups whose answers disagree (the groups with non-zero advantages), every metric about ratios,
-clipping, KL or entropy, and the step's seconds. It writes benchmarks/results/learning-<tag>.json
+clipping, KL or entropy, and the step's seconds. It writes benchmarks/results/learning-<tag>-<hardware>.json
 and .png (reward against step), prints steps/s and the first-10 and last-10 mean rewards, and
 exits 1 when the reward did not rise (last-10 mean <= first-10 mean), when a step had an all-zero
 gradient without every answer right (every group tied: nothing to learn from), or when the
@@ -27,7 +28,6 @@ Extra arguments are config overrides (a.b=c), applied last.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import record as result_record  # benchmarks/ is the script's path
 import torch
 
 from rlinf_twoworker import RunHandle, run_grpo_two_worker
@@ -187,7 +188,11 @@ def plot(rows: list[dict[str, float]], path: Path, title: str) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tag", default="h200", help="names the result files")
+    parser.add_argument(
+        "--tag",
+        default=None,
+        help="the configuration in the result files' names (default: TASK-lrLR, -smoke added)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few steps")
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: scale's)")
     parser.add_argument("--lr", type=float, default=None, help="actor.optim.lr")
@@ -211,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts=args.prompts or scale.prompts,
     )
     steps, lr = args.steps or scale.steps, args.lr or scale.lr
+    if args.tag is None:
+        args.tag = f"{args.task}-lr{lr:g}" + ("-smoke" if args.smoke else "")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-learning-")).resolve()
     # One epoch of distinct records for the whole run (runner.max_epochs is 1).
     samples = scale.prompts * steps
@@ -248,11 +255,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write(out: Path, tag: str, payload: dict[str, Any]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"learning-{tag}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    """learning-<tag>-<hardware>.json (record.py: commit, command, versions added) and .png."""
     meta = payload["meta"]
+    hardware = "cpu" if meta["device"] == "cpu" else result_record.hardware_tag([meta["device"]])
+    name = result_record.result_name("learning", tag, hardware)
+    path = result_record.write_result("learning", tag, hardware, payload, out / name)
     title = f"{meta['scale']['size']} model, task {meta['task']}, {tag}"
-    plot(payload["steps"], out / f"learning-{tag}.png", title)
+    plot(payload["steps"], path.with_suffix(".png"), title)
 
 
 def _device_name(scale: Scale) -> str:

@@ -1,6 +1,6 @@
 """Pipelined vs sequential GRPO steps on two one-GPU Ray nodes, with answers of varied length.
 
-    python benchmarks/bench_pipeline.py --out pipeline.json [--steps 5] [--mean-answer 200]
+    python -m benchmarks pipeline [--out pipeline.json] [--steps 5] [--mean-answer 200]
     python benchmarks/bench_gpu.py --sections pipelining          # the same, as a section
 
 Topology: a LocalCluster of 2 nodes x 1 GPU, `component_placement={rollout:0, reward:0,
@@ -210,17 +210,25 @@ def bench_pipeline(
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench_pipeline.json")
+    parser.add_argument(
+        "--out", default=None, help="default: benchmarks/results/pipeline-<config>-<hardware>.json"
+    )
     parser.add_argument("--root", default="/tmp/rlinf-bench")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--mean-answer", type=float, default=200.0)
     parser.add_argument("--chunks", type=int, default=None, help="runner.rollout_chunks")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    from record import write_result  # benchmarks/ is the script's path
+
     out = bench_pipeline(Path(args.root), args.steps, args.mean_answer, args.chunks)
-    Path(args.out).write_text(json.dumps(out, indent=2, default=str))
+    configuration = f"answer{args.mean_answer:g}" + (f"-chunks{args.chunks}" if args.chunks else "")
+    if args.mean_answer == 200.0 and args.chunks is None:
+        configuration = "default"  # as bench_gpu.py's pipelining section names it
+    path = write_result("pipeline", configuration, None, out, args.out)
     print(json.dumps(out, indent=2, default=str))
+    print(f"results: {path}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The baseline: TRL's GRPOTrainer on the library's full-step workload, in its own process.
 
-    python benchmarks/bench_trl.py --model DIR --data FILE --out trl.json [--cycles 3]
+    python benchmarks/bench_trl.py --model DIR --data FILE [--out trl.json] [--cycles 3]
         [--no-checkpointing]
 
 Same model directory, same prompts (the data file's first prompts, shuffled by the trainer),
@@ -24,23 +24,25 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from record import write_result  # noqa: E402  (benchmarks/ is the script's path)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--data", required=True)
-    parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--out", default=None, help="default: benchmarks/results/trl-<config>-<hardware>.json"
+    )
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--max-new", type=int, default=768)
     parser.add_argument("--workdir", default="/tmp/rlinf-bench/trl")
     parser.add_argument(
         "--no-checkpointing", action="store_true", help="train without gradient checkpointing"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import transformers
     import trl
@@ -129,7 +131,8 @@ def main() -> int:
         "answers_per_step": 16,
         "updates_per_step": updates_per_generation,
     }
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    configuration = "no_checkpointing" if args.no_checkpointing else "checkpointing"
+    write_result("trl", configuration, None, result, args.out)
     print(json.dumps(result), flush=True)
     return 0
 

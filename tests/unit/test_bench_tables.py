@@ -10,7 +10,8 @@ import pytest
 from support import BENCHMARKS
 
 BENCH = BENCHMARKS
-RESULTS = BENCH / "results" / "h200-s13-call2-startup-table.json"
+# The latest startup run with cold, warm and warm_preloaded runs and TRL both ways (session 15).
+RESULTS = BENCH / "results" / "startup-cold+warm+warm_preloaded+trl+trl_no_ckpt-h200.json"
 
 
 @pytest.fixture(scope="module")
