@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import EXAMPLES
 
 from rlinf_twoworker.api.request import RequestError, input_problems, resolve_request
 from rlinf_twoworker.config import load_config, to_typed
@@ -26,7 +27,6 @@ from rlinf_twoworker.storage.lineage import training_settings
 from rlinf_twoworker.workers.reward import MathReward, RewardError, RewardFunctionError
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 MODULE = Path(__file__).stem
 HANG, BOOM, EXIT = "<hang>", "<boom>", "<exit>"
 NOT_CALLABLE = 3
@@ -309,7 +309,7 @@ def test_a_run_rewards_with_the_function_and_its_values_reach_the_step_metrics(
 @pytest.mark.slow
 def test_the_example_runs_the_demo_with_its_function_and_passes_the_postflight(tmp_path: Path):
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "reward_function.py"), "--local"]
+        [sys.executable, str(EXAMPLES / "reward_function.py"), "--local"]
         + ["--output-root", str(tmp_path)],
         capture_output=True,
         text=True,
