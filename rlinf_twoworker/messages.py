@@ -101,7 +101,7 @@ class TrainStats:
         tokens and seconds summed."""
         minibatches = [m for p in parts for m in p.minibatches]
         metrics = step_metrics(minibatches)
-        for key in parts[0].metrics.keys() - metrics.keys():
+        for key in [k for k in parts[0].metrics if k not in metrics]:  # in the call's order
             values = [p.metrics[key] for p in parts]
             metrics[key] = sum(values) if key == "offload_seconds" else max(values)
         return cls(

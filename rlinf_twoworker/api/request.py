@@ -206,9 +206,9 @@ def check_inputs(typed: Any) -> None:
 
 def input_problems(typed: Any) -> list[str]:
     """Checks of the inputs on this node, in seconds (the preflight checks digests on every
-    node): reward.reward_fn's function, the metric loggers' packages, model directories, tokenizer directories, data files
-    (every line parsed as the run parses it), each input's SHA256SUMS (present, well formed,
-    listing a data file); one problem per path."""
+    node): reward.reward_fn's function, the metric loggers' packages, model directories,
+    tokenizer directories, data files (every line parsed as the run parses it), each input's
+    SHA256SUMS (present, well formed, listing a data file); one problem per path."""
     from rlinf_twoworker.run.metric_loggers import missing_backends
 
     problems: list[str | None] = []

@@ -181,16 +181,12 @@ def micro_batch_tokens(
         rows = cfg.data.rollout_batch_size * algo.group_size // algo.n_minibatches // ranks
         if runner.enable_dynamic_batch_size:
             return min(rows * seq, max(runner.max_tokens_per_mbs, seq))
-        tokens, least = (
-            runner.actor_cut_tokens if cut is None else cut,
-            algo.training_batch_size_per_gpu,
-        )
+        least = algo.training_batch_size_per_gpu
+        tokens = runner.actor_cut_tokens if cut is None else cut
     else:
         rows = cfg.data.rollout_batch_size * algo.group_size
-        tokens, least = (
-            runner.logprob_cut_tokens if cut is None else cut,
-            algo.logprob_forward_micro_batch_size,
-        )
+        least = algo.logprob_forward_micro_batch_size
+        tokens = runner.logprob_cut_tokens if cut is None else cut
     if whole_rows or not tokens:  # the rows the workers cut (GRPOConfig.micro_batch_rows)
         return max(1, min(rows, cfg.micro_batch_rows(training, seq, cut))) * seq
     return min(rows * seq, max(tokens, least * seq))

@@ -76,7 +76,7 @@ def placement_timeout_error(cluster: ClusterConfig, name: str, timeout_s: float)
     first = (
         f"bundle 0 on this node ({here[:8]})"
         if driver_holds_bundle_0(cluster)
-        else (f"bundle 0 on any of them (this node, {here[:8]}, has fewer GPUs)")
+        else f"bundle 0 on any of them (this node, {here[:8]}, has fewer GPUs)"
     )
     return PlacementError(
         f"placement group '{name}' not scheduled within {timeout_s:g} s: STRICT_SPREAD needs "

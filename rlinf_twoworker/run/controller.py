@@ -335,7 +335,7 @@ class RunController:
             self.pg = await self._place()
         places = await asyncio.to_thread(_bundle_places, self.pg)
         self.bundle_nodes = [p["node_id"] for p in places]
-        here = await asyncio.to_thread(_node_id)
+        here = _node_id()
         if places[0]["node_id"] != here:  # a caller's group, or a Driver without GPUs
             self.log.info(
                 f"PLACEMENT bundle 0 (the Head's components) on node {places[0]['node_id'][:8]} "
@@ -542,9 +542,9 @@ class RunController:
             raise RuntimeError("training started before the components (a library bug)")
         inputs = await self._training_inputs()
         observers = self._observers(group)
-        for observer in observers:
-            await observer.training_begins()
-        try:
+        try:  # training_ends for every observer, also when one fails to begin
+            for observer in observers:
+                await observer.training_begins()
             for step in range(self.resume_step + 1, self.total_steps + 1):
                 self.current_step, self.phase = step, f"step {step}"
                 for observer in observers:
@@ -721,6 +721,7 @@ class RunController:
 
 
 def _node_id() -> str:
+    """This process's node (a local lookup)."""
     import ray
 
     return ray.get_runtime_context().get_node_id()

@@ -29,8 +29,8 @@ from rlinf_twoworker.results import StepResult
 from rlinf_twoworker.run.observers import RunObserver
 from rlinf_twoworker.run.storage_io import StorageIO
 
-PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}
-"""Each optional backend's import name (its extra has the same name)."""
+OPTIONAL = ("wandb", "mlflow")
+"""The backends that are optional extras; each one's module and extra share its name."""
 
 ENV_PREFIXES = ("WANDB_", "MLFLOW_")
 
@@ -42,7 +42,7 @@ def missing_backends(backends: list[str]) -> list[str]:
         f"runner.logger.logger_backends lists {name}, whose package is not installed here: "
         f"pip install 'rlinf_twoworker[{name}]' (or drop {name} from the list)"
         for name in backends
-        if name in PACKAGES and not _importable(PACKAGES[name])
+        if name in OPTIONAL and not _importable(name)
     ]
 
 
@@ -55,7 +55,7 @@ def _importable(module: str) -> bool:
 def forwarded_env(backends: list[str]) -> dict[str, str]:
     """The Driver's WANDB_* and MLFLOW_* variables, for the controller's process (started by
     Ray with the node's environment, not the Driver's) when the run logs to wandb or MLflow."""
-    if not any(name in PACKAGES for name in backends):
+    if not any(name in OPTIONAL for name in backends):
         return {}
     return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
 
