@@ -422,10 +422,12 @@ def _updates(results: Sequence[Any]) -> dict[str, Any]:
     later = list(results[1:]) or list(results)
     keys = ("rollout/advantages_min", "rollout/advantages_max", "rollout/reward_scores")
     keys += ("rollout/correct_fraction", "actor/training/actor/grad_norm")
-    per = [{k.rsplit("/", 1)[1]: r.metrics.get(k) for k in keys} for r in later]
+    # With loss scaling (fp16): the minibatches whose step an overflow skipped, and the scale.
+    keys += ("actor/training/actor/skipped_steps", "actor/training/actor/loss_scale")
+    per = [{k.rsplit("/", 1)[1]: r.metrics.get(k) for k in keys} for r in results]
     real = all(
         (p["advantages_max"] or 0.0) > 0 > (p["advantages_min"] or 0.0) and (p["grad_norm"] or 0.0)
-        for p in per
+        for p in per[len(results) - len(later) :]
     )
     return {"real": bool(real), "per_step": per}
 

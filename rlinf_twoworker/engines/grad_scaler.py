@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rlinf_twoworker.config import GradScalerConfig
+from rlinf_twoworker.config import GradScalerConfig, OptimConfig
 
 
 def build_grad_scaler(cfg: GradScalerConfig, device: torch.device, group: Any) -> Any:
@@ -30,6 +30,24 @@ def build_grad_scaler(cfg: GradScalerConfig, device: torch.device, group: Any) -
         growth_interval=cfg.interval,
         enabled=cfg.enabled,
         process_group=group,
+    )
+
+
+def adamw(
+    params: Any, optim: OptimConfig, scaler: GradScalerConfig, fused: bool
+) -> torch.optim.AdamW:
+    """The actor's AdamW (actor.optim). `fused` asks for the one-kernel update (on GPUs); it is
+    not used under loss scaling: torch's ShardedGradScaler hands a fused optimiser a 1-element
+    found-inf tensor that the optimiser subtracts from its 0-dim step counters, which fails
+    ("output with shape [] doesn't match the broadcast shape [1]"). RLinf's AdamW is not fused
+    either; the foreach update computes the same step."""
+    return torch.optim.AdamW(
+        params,
+        lr=optim.lr,
+        betas=(optim.adam_beta1, optim.adam_beta2),
+        eps=optim.adam_eps,
+        weight_decay=optim.weight_decay,
+        fused=fused and not scaler.enabled,
     )
 
 

@@ -23,6 +23,7 @@ from rlinf_twoworker.algorithm import PolicyLoss, ppo_loss
 from rlinf_twoworker.config import AlgorithmConfig, GRPOConfig, MixedPrecision
 from rlinf_twoworker.engines import staging
 from rlinf_twoworker.engines.grad_scaler import (
+    adamw,
     build_grad_scaler,
     clip_and_step,
     loss_scale,
@@ -184,19 +185,12 @@ class ActorWorker(Worker):
             compiled=self.compiled,
         )
         self.model = model
-        optim = cfg.actor.optim
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=optim.lr,
-            betas=(optim.adam_beta1, optim.adam_beta2),
-            eps=optim.adam_eps,
-            weight_decay=optim.weight_decay,
-            fused=self.device.type == "cuda",
+        scaling = cfg.actor.fsdp_config.grad_scaler
+        self.optimizer = adamw(
+            model.parameters(), cfg.actor.optim, scaling, fused=self.device.type == "cuda"
         )
         self.scheduler = lr_scheduler(self.optimizer, cfg)
-        self.scaler = build_grad_scaler(
-            cfg.actor.fsdp_config.grad_scaler, self.device, self.actor_group
-        )
+        self.scaler = build_grad_scaler(scaling, self.device, self.actor_group)
         # actor.enable_offload (sequential steps): parameters and optimiser state live in CPU
         # memory outside the update, as in RLinf from the start.
         self.offloader = ActorOffload(model, self.optimizer, self.device)

@@ -21,12 +21,13 @@ from rlinf_twoworker.api.demo import demo_config, make_inputs
 from rlinf_twoworker.config import (
     GradScalerConfig,
     MixedPrecision,
+    OptimConfig,
     config_notes,
     load_config,
     precision_warning,
     to_typed,
 )
-from rlinf_twoworker.engines.grad_scaler import build_grad_scaler, clip_and_step
+from rlinf_twoworker.engines.grad_scaler import adamw, build_grad_scaler, clip_and_step
 from rlinf_twoworker.engines.models import SequenceBatch, load_causal_lm, response_logprobs
 from rlinf_twoworker.errors import ConfigError
 from rlinf_twoworker.messages import ActorShard, mean_grad_norm
@@ -215,6 +216,28 @@ def test_fp16_fsdp2_computes_in_fp16_and_an_overflow_skips_the_step(world):
     assert all(p.dtype == torch.float32 for p in model.parameters())
     norm, stepped = update(1e-2)  # the gradients x 32768 fit in fp16
     assert math.isfinite(norm) and stepped and scaler.get_scale() == 32768.0
+    assert any(not torch.equal(_params(model)[n], t) for n, t in before.items())
+
+
+@pytest.mark.parametrize("scaling", [True, False])
+def test_the_actors_optimizer_steps_under_the_scaler_where_a_fused_one_would_fail(world, scaling):
+    """The actor asks for fused AdamW on GPUs. Under loss scaling torch's ShardedGradScaler
+    hands a fused optimiser a found-inf tensor its step counters cannot take (the first fp16
+    run on a GPU failed so), so the actor's optimiser is the foreach one there; without a
+    scaler it stays fused. CPU AdamW has the same fused kernel and the same failure."""
+    model = _fp16_model(world, MixedPrecision(param_dtype="fp16", reduce_dtype="fp16"))
+    scaler_cfg = GradScalerConfig(enabled=scaling)
+    optimizer = adamw(model.parameters(), OptimConfig(lr=1e-3), scaler_cfg, fused=True)
+    assert optimizer.defaults["fused"] is (not scaling)
+    scaler = build_grad_scaler(scaler_cfg, torch.device("cpu"), None)
+    batch = _batch(3, 20, 8)
+    before = _params(model)
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        loss = (response_logprobs(model, batch) * batch.response_mask).mean() * 1e-2
+        scaler.scale(loss).backward()  # x 65536 fits in fp16
+        norm, stepped = clip_and_step(model, optimizer, scaler, clip=1.0)
+        assert math.isfinite(norm) and stepped
     assert any(not torch.equal(_params(model)[n], t) for n, t in before.items())
 
 
