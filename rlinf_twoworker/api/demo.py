@@ -50,6 +50,10 @@ PRIOR_AXIS = 0
 """The hidden coordinate that carries "the current token is a digit" (+) or not (-)."""
 PRIOR_MARGIN = 14.0
 """The prior's logit margin: the answer digits after a non-digit, EOS after a digit."""
+READER_LOGIT = 8.0
+"""The reader head's attention logit: +this for a digit token, -this for any other."""
+READER_GAIN = 8.0
+"""How much the reader head's values are raised over the random init (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -93,13 +97,19 @@ class DemoInputs:
 
 
 def make_inputs(
-    root: Path, task: str = "add", num_samples: int = 512, seed: int = 0, size: str = "tiny"
+    root: Path,
+    task: str = "add",
+    num_samples: int = 512,
+    seed: int = 0,
+    size: str = "tiny",
+    reader: bool = False,
 ) -> DemoInputs:
     """Write root/model/ and root/data/demo-math.jsonl (each with SHA256SUMS); deterministic.
 
     `size` is a key of MODEL_SIZES. For the tasks of PRIOR_TASKS (add, add-hard, digit) the
     model gets the answer prior (see the module's docstring); for the others it is plain
-    random.
+    random. `reader` (prior tasks only) adds the reader head (`_add_digit_reader`): the
+    prompt's digits reach the answer's position, still untrained to be used.
     Safe on an existing root: the model directory is rebuilt beside the old one and swapped in,
     and the data file and its manifest are overwritten.
     """
@@ -112,7 +122,8 @@ def make_inputs(
     root = Path(root).resolve()
     digits = answer_digits(task)
     model_path = _replace_dir(
-        root / "model", lambda tmp: _write_model(tmp, seed, MODEL_SIZES[size], digits)
+        root / "model",
+        lambda tmp: _write_model(tmp, seed, MODEL_SIZES[size], digits, reader and bool(digits)),
     )
     data_dir = root / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -238,7 +249,9 @@ def _byte_level_symbol(character: str) -> str:
     return character if 33 <= byte <= 126 else chr(256 + byte)
 
 
-def _write_model(directory: Path, seed: int, size: ModelSize, digits: str) -> None:
+def _write_model(
+    directory: Path, seed: int, size: ModelSize, digits: str, reader: bool = False
+) -> None:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -266,6 +279,8 @@ def _write_model(directory: Path, seed: int, size: ModelSize, digits: str) -> No
                 layer.mlp.down_proj.weight *= size.residual_scale
     if digits:
         _add_answer_prior(model, tokenizer, digits, size.prior_scale)
+    if reader:
+        _add_digit_reader(model)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -304,6 +319,45 @@ def _add_answer_prior(
         model.model.embed_tokens.weight[:, PRIOR_AXIS] = torch.where(is_digit, scale, -scale)
         model.lm_head.weight[answers, PRIOR_AXIS] = -margin
         model.lm_head.weight[tokenizer.eos_token_id, PRIOR_AXIS] = margin
+
+
+def _add_digit_reader(model: Qwen2ForCausalLM) -> None:
+    """Make layer 0's first attention head read the prompt's digits: from every position it
+    attends to the digit tokens before it (through PRIOR_AXIS), and its values carry which
+    digit each is, so the answer's position holds the prompt's digit. Nothing maps that to an
+    answer yet: the answer prior stays about uniform over the digits, and RL must learn the
+    read-out. Without it the digit reaches the answer's position only through random
+    attention spread over the whole prompt (about 1/20 of it), so GRPO first has to grow that
+    attention, and when it does so depends on the seed.
+
+    The query and key use the lowest-frequency rotary pair of the head (index head_dim/2 - 1
+    and its partner), whose rotation over a prompt of a few hundred positions is negligible, so
+    the logit is READER_LOGIT x (+1 for a digit, -1 otherwise) wherever the digit is. The
+    head's values leave PRIOR_AXIS out and are raised READER_GAIN times, and its output leaves
+    PRIOR_AXIS alone, so the answer prior's digit/non-digit signal is unchanged."""
+    import torch
+
+    config = model.config
+    hidden = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    pair = head_dim // 2 - 1
+    partner = pair + head_dim // 2
+    attention = model.model.layers[0].self_attn
+    with torch.no_grad():
+        q, k = attention.q_proj, attention.k_proj
+        q.weight[:head_dim] = 0.0
+        q.bias[:head_dim] = 0.0
+        q.bias[pair] = READER_LOGIT * head_dim**0.5  # scores are q.k / sqrt(head_dim)
+        for row in (pair, partner):
+            k.weight[row] = 0.0
+            k.bias[row] = 0.0
+        # After the input RMSNorm a token's PRIOR_AXIS is about +-sqrt(hidden): k = +-1.
+        k.weight[pair, PRIOR_AXIS] = 1.0 / hidden**0.5
+        v = attention.v_proj
+        v.weight[:head_dim] *= READER_GAIN
+        v.weight[:head_dim, PRIOR_AXIS] = 0.0
+        v.bias[:head_dim] = 0.0
+        attention.o_proj.weight[PRIOR_AXIS, :head_dim] = 0.0
 
 
 def demo_config(
