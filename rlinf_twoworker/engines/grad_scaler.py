@@ -33,21 +33,15 @@ def build_grad_scaler(cfg: GradScalerConfig, device: torch.device, group: Any) -
     )
 
 
-def adamw(
-    params: Any, optim: OptimConfig, scaler: GradScalerConfig, fused: bool
-) -> torch.optim.AdamW:
-    """The actor's AdamW (actor.optim). `fused` asks for the one-kernel update (on GPUs); it is
-    not used under loss scaling: torch's ShardedGradScaler hands a fused optimiser a 1-element
-    found-inf tensor that the optimiser subtracts from its 0-dim step counters, which fails
-    ("output with shape [] doesn't match the broadcast shape [1]"). RLinf's AdamW is not fused
-    either; the foreach update computes the same step."""
+def adamw(params: Any, optim: OptimConfig, fused: bool) -> torch.optim.AdamW:
+    """The actor's AdamW (actor.optim); `fused`: the one-kernel update (on GPUs)."""
     return torch.optim.AdamW(
         params,
         lr=optim.lr,
         betas=(optim.adam_beta1, optim.adam_beta2),
         eps=optim.adam_eps,
         weight_decay=optim.weight_decay,
-        fused=fused and not scaler.enabled,
+        fused=fused,
     )
 
 
@@ -66,7 +60,11 @@ def clip_and_step(
     grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     stepped = math.isfinite(grad_norm)
     if stepped:
-        scaler.step(optimizer)  # a finite global norm: no rank found an inf, so it steps
+        # A finite global norm: no rank found an inf, so it steps. Not scaler.step: it would
+        # skip only on an inf, which the norm rules out, and it hands a fused optimiser its
+        # 1-element found-inf tensor, which the optimiser subtracts from its 0-dim step
+        # counters and fails ("output with shape [] doesn't match the broadcast shape [1]").
+        optimizer.step()
     scaler.update()
     return grad_norm, stepped
 

@@ -185,12 +185,11 @@ class ActorWorker(Worker):
             compiled=self.compiled,
         )
         self.model = model
-        scaling = cfg.actor.fsdp_config.grad_scaler
-        self.optimizer = adamw(
-            model.parameters(), cfg.actor.optim, scaling, fused=self.device.type == "cuda"
-        )
+        self.optimizer = adamw(model.parameters(), cfg.actor.optim, self.device.type == "cuda")
         self.scheduler = lr_scheduler(self.optimizer, cfg)
-        self.scaler = build_grad_scaler(scaling, self.device, self.actor_group)
+        self.scaler = build_grad_scaler(
+            cfg.actor.fsdp_config.grad_scaler, self.device, self.actor_group
+        )
         # actor.enable_offload (sequential steps): parameters and optimiser state live in CPU
         # memory outside the update, as in RLinf from the start.
         self.offloader = ActorOffload(model, self.optimizer, self.device)

@@ -220,16 +220,15 @@ def test_fp16_fsdp2_computes_in_fp16_and_an_overflow_skips_the_step(world):
 
 
 @pytest.mark.parametrize("scaling", [True, False])
-def test_the_actors_optimizer_steps_under_the_scaler_where_a_fused_one_would_fail(world, scaling):
-    """The actor asks for fused AdamW on GPUs. Under loss scaling torch's ShardedGradScaler
-    hands a fused optimiser a found-inf tensor its step counters cannot take (the first fp16
-    run on a GPU failed so), so the actor's optimiser is the foreach one there; without a
-    scaler it stays fused. CPU AdamW has the same fused kernel and the same failure."""
+def test_the_actors_fused_optimizer_steps_with_and_without_the_scaler(world, scaling):
+    """The actor's AdamW is fused on GPUs. torch's ShardedGradScaler.step hands a fused
+    optimiser a found-inf tensor its step counters cannot take (the first fp16 run on a GPU
+    failed so), so the library steps the optimiser itself once the norm is finite. CPU AdamW
+    has the same fused kernel and the same failure."""
     model = _fp16_model(world, MixedPrecision(param_dtype="fp16", reduce_dtype="fp16"))
-    scaler_cfg = GradScalerConfig(enabled=scaling)
-    optimizer = adamw(model.parameters(), OptimConfig(lr=1e-3), scaler_cfg, fused=True)
-    assert optimizer.defaults["fused"] is (not scaling)
-    scaler = build_grad_scaler(scaler_cfg, torch.device("cpu"), None)
+    optimizer = adamw(model.parameters(), OptimConfig(lr=1e-3), fused=True)
+    assert optimizer.defaults["fused"]
+    scaler = build_grad_scaler(GradScalerConfig(enabled=scaling), torch.device("cpu"), None)
     batch = _batch(3, 20, 8)
     before = _params(model)
     for _ in range(2):
@@ -239,6 +238,7 @@ def test_the_actors_optimizer_steps_under_the_scaler_where_a_fused_one_would_fai
         norm, stepped = clip_and_step(model, optimizer, scaler, clip=1.0)
         assert math.isfinite(norm) and stepped
     assert any(not torch.equal(_params(model)[n], t) for n, t in before.items())
+    assert all(int(s["step"]) == 2 for s in optimizer.state.values())
 
 
 def test_buffer_dtype_casts_the_models_buffers(world):
