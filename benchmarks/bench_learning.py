@@ -1,40 +1,41 @@
 """Learning benchmark: GRPO must raise the reward of the demo's 24M model on the "digit" task.
 
-    python -m benchmarks learning                  # one GPU, 200 steps, lr 1e-5
-    python -m benchmarks learning --smoke          # CPU, tiny model, 8 steps
-    (the same: python benchmarks/bench_learning.py [--smoke])
+    python -m benchmarks learning                          # one GPU, 200 steps, lr 1e-5
+    python -m benchmarks learning --seeds 1234,777,42      # three seeds at once, and the spread
+    python -m benchmarks learning --no-reader --seed 777   # the model without the reader head
+    python -m benchmarks learning --smoke                  # CPU, tiny model, 8 steps
+    (the same: python benchmarks/bench_learning.py [...])
 
-The model is `make_inputs(size="small")`: a random Qwen2 (8 layers, hidden 512) whose answer
-prior makes it reply with one digit 0..8 then EOS, so a random policy is right about one time in
-nine on "Write the digit d." (d uniform over 0..8: no answer pays more than another unless the
-policy reads the prompt; `--task add-hard` and the other demo tasks work too). The run goes
-through the public API only (`run_grpo_two_worker` on a one-node, one-GPU `LocalCluster`, every
-component on resource rank 0), with the library's defaults except the batch (32 prompts x 8
-answers), the run's length, the learning rate and the speed settings of docs/performance.md.
-On one H200 (session 5) lr 1e-5 lifted the correct fraction from 0.11 to 0.93 in 200 steps;
-lr 1e-4 collapsed the policy's entropy in three steps, 2e-5 learned but tied every group for a
-few steps on the way (benchmarks/RESULTS.md).
+The model is `make_inputs(size="small", reader=True)`: a random Qwen2 (8 layers, hidden 512)
+whose answer prior makes it reply with one digit 0..8 then EOS, so a random policy is right
+about one time in nine on "Write the digit d." (d uniform over 0..8: no answer pays more than
+another unless the policy reads the prompt; `--task add-hard` and the other demo tasks work
+too). Its reader head (api/demo.py `_add_digit_reader`) carries the prompt's digit to the
+answer's position; nothing maps it to an answer, so the prior stays uniform (answer entropy
+2.17 nats of ln 9 = 2.20, right 0.112 of the time) and GRPO has the read-out to learn. Without
+the head (--no-reader) the digit reaches that position through random attention alone: the
+last hidden state varies with the digit by 0.5% of its norm (12% with the head), GRPO has to
+grow that attention first, and meanwhile groups whose answers are all wrong give no advantage,
+so the answer distribution drifts onto a few digits and, for some seeds, every group ties:
+whether it learns within 200 steps is up to the seed (benchmarks/RESULTS.md).
+
+The run goes through the public API only (`run_grpo_two_worker` on a one-node, one-GPU
+`LocalCluster`, every component on resource rank 0), with the library's defaults except the
+batch (32 prompts x 8 answers), the run's length, the learning rate and the speed settings of
+docs/performance.md. --seed sets data.seed and actor.seed. --seeds runs one process per seed,
+all at once on the one GPU, each writing its own files, then learning-<tag>-seeds-<hardware>.json
+with every seed's summary and the spread; it exits 1 unless every seed passed.
 
 Per step it records the reward, the correct fraction, the loss, the grad norm, the share of
 groups whose answers disagree (the groups with non-zero advantages), every metric about ratios,
-clipping, KL or entropy, and the step's seconds. It writes benchmarks/results/learning-<tag>-<hardware>.json
-and .png (reward against step), prints steps/s and the first-10 and last-10 mean rewards, and
-exits 1 when the reward did not rise (last-10 mean <= first-10 mean), when a step had an all-zero
-gradient without every answer right (every group tied: nothing to learn from), or when the
-postflight failed; with --smoke only the last two count (8 steps of 64 answers are noise).
-Extra arguments are config overrides (a.b=c), applied last.
-
-    python -m benchmarks learning --seed 777                 # data.seed and actor.seed 777
-    python -m benchmarks learning --reader --seeds 1234,777,42
-
---reader gives the model the reader head (`make_inputs(reader=True)`, api/demo.py): the
-prompt's digit reaches the answer's position from the start, the answer prior stays uniform,
-and GRPO has the read-out to learn. Without it the digit reaches that position through random
-attention alone (the last hidden state varies with the digit by 0.5% of its norm, against 12%
-with the reader), and when GRPO finds it is up to the seed. --seeds runs one process per seed,
-all at once on the one GPU, each writing its own files, then
-learning-<tag>-seeds-<hardware>.json with every seed's summary and the spread; it exits 1
-unless every seed passed.
+clipping, KL or entropy, and the step's seconds, appending each step's row to
+<out-dir>/learning-<tag>.steps.jsonl as it comes. It writes learning-<tag>-<hardware>.json and
+.png (reward against step) under --out-dir (benchmarks/results), prints steps/s and the
+first-10 and last-10 mean rewards, and exits 1 when the reward did not rise (last-10 mean <=
+first-10 mean), when a step had an all-zero gradient without every answer right (every group
+tied: nothing to learn from), or when the postflight failed; with --smoke only the last two
+count (8 steps of 64 answers are noise). Extra arguments are config overrides (a.b=c), applied
+last.
 """
 
 from __future__ import annotations
@@ -226,7 +227,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma list: one run per seed, all at once, and the spread (module docstring)",
     )
     parser.add_argument(
-        "--reader", action="store_true", help="the model with the reader head (api/demo.py)"
+        "--reader",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the model with the reader head (default; api/demo.py)",
     )
     parser.add_argument("--work-dir", default=None, help="inputs and run (default: a temp dir)")
     parser.add_argument("--out-dir", default=str(RESULTS), help="where the JSON and PNG go")

@@ -289,3 +289,50 @@ def test_the_small_model_has_tens_of_millions_of_parameters_and_the_prior(
 def test_make_inputs_rejects_an_unknown_size(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="small"):
         make_inputs(tmp_path, size="huge")
+
+
+def _digit_features(inputs: DemoInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """For "Write the digit d." (d = 0..8): the answer's distribution over the digits and the
+    last hidden state at the answer's position, one row per d."""
+    model, tokenizer = _load(inputs)
+    digits = tokenizer.convert_tokens_to_ids(list("012345678"))
+    before, after = make_samples("digit", 1, 0)[0]["prompt"].split("Write the digit ")
+    probs, hidden = [], []
+    for d in range(9):
+        text = f"{before}Write the digit {d}{after[1:]}"
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model(ids, output_hidden_states=True)
+        probs.append(out.logits[0, -1].softmax(-1)[digits])
+        hidden.append(out.hidden_states[-1][0, -1])
+    return torch.stack(probs), torch.stack(hidden)
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_the_reader_head_carries_the_prompts_digit_and_leaves_the_prior_uniform(
+    tmp_path: Path, size: str
+) -> None:
+    """The learning benchmark's model: with the reader head the answer's last hidden state
+    varies with the prompt's digit many times more than without, while the answer stays one
+    digit, about uniform (right 1 time in 9), and EOS still follows a digit."""
+    spread = {}
+    for reader in (False, True):
+        inputs = make_inputs(tmp_path / str(reader), "digit", 4, size=size, reader=reader)
+        probs, hidden = _digit_features(inputs)
+        assert bool((probs.sum(1) > 0.99).all()), probs.sum(1)  # a digit comes first
+        answer = probs / probs.sum(1, keepdim=True)
+        mean = answer.mean(0)
+        entropy = float(-(mean * mean.log()).sum())
+        assert entropy > 0.97 * float(torch.log(torch.tensor(9.0))), entropy
+        assert abs(float(answer.diag().mean()) - 1 / 9) < 0.02  # nothing read out yet
+        spread[reader] = float(
+            (hidden - hidden.mean(0)).norm(dim=1).mean() / hidden.norm(dim=1).mean()
+        )
+    assert spread[True] > 10 * spread[False], spread
+
+
+def test_the_reader_head_is_for_the_prior_tasks_only(tmp_path: Path) -> None:
+    """reader=True on a task without the prior leaves its plain random model as it is."""
+    plain = _load(make_inputs(tmp_path / "a", "digit7", 2))[0].state_dict()
+    asked = _load(make_inputs(tmp_path / "b", "digit7", 2, reader=True))[0].state_dict()
+    assert all(torch.equal(plain[k], asked[k]) for k in plain)
