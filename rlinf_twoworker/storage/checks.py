@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlinf_twoworker import components
+from rlinf_twoworker.config import GRPOConfig, to_typed
 from rlinf_twoworker.config.placement import parse_ranks
 from rlinf_twoworker.errors import TwoWorkerError
 from rlinf_twoworker.results import VerificationReport
@@ -126,7 +127,7 @@ def check_config(run_dir: Path, report: VerificationReport, expected: Expected) 
         return [f"{path} is not a mapping of config keys; the resolved config is damaged"]
     cluster, runner = cfg.get("cluster") or {}, cfg.get("runner") or {}
     actual_placement = cluster.get("component_placement")
-    report.placement = _resolved_placement(actual_placement, cluster.get("num_gpus_per_node"), cfg)
+    report.placement = _resolved_placement(actual_placement, cfg)
     errors = []
     checks = (
         ("cluster.num_nodes", cluster.get("num_nodes"), expected.expected_nodes),
@@ -162,27 +163,25 @@ def check_location(run_dir: Path, expected: Expected) -> list[str]:
     ]
 
 
-def _resolved_placement(spec: Any, gpus_per_node: Any, record: dict) -> dict:
-    """Component -> its placement spec, resource ranks and nodes, for the components the
-    recorded config runs (the table's; the reference only with a KL term), each placed as
-    the run placed it (the reference on its default component's ranks when unnamed)."""
-    if not isinstance(spec, dict) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
-        return {}
-    resolved = {}
+def _resolved_placement(spec: Any, record: dict) -> dict:
+    """Component -> its placement spec, resource ranks and nodes, as the run placed them: the
+    recorded config read back as a typed config, whose `placement` is the one rule the run
+    itself placed by (config/placement.py). {} where the record does not type-check (the
+    config check reports that)."""
     try:
-        in_run = components.in_run(OmegaConf.create(record))
-    except Exception:  # a damaged record (no algorithm section): the components every run has
-        in_run = [c for c in components.TABLE if c.needed is None]
-    for component in in_run:
-        given = spec.get(component.name)
-        if given is None and component.default_placement is not None:
-            given = spec.get(component.default_placement)
-        try:
-            ranks = parse_ranks(given, f"cluster.component_placement.{component.name}")
-        except ValueError:
-            ranks = []
-        nodes = sorted({r // gpus_per_node for r in ranks})
-        resolved[component.name] = {"spec": given, "resource_ranks": ranks, "nodes": nodes}
+        typed = to_typed(OmegaConf.merge(OmegaConf.structured(GRPOConfig), record))  # type: ignore[arg-type]
+        placement = typed.placement
+    except Exception:  # a damaged or foreign record: the checks above say what is wrong
+        return {}
+    per_node = typed.cluster.num_gpus_per_node
+    resolved = {}
+    for name, ranks in placement.as_dict().items():
+        given = spec.get(name) if isinstance(spec, dict) else None
+        default = next(c.default_placement for c in components.TABLE if c.name == name)
+        if given is None and default is not None and isinstance(spec, dict):
+            given = spec.get(default)
+        nodes = sorted({r // per_node for r in ranks})
+        resolved[name] = {"spec": given, "resource_ranks": ranks, "nodes": nodes}
     return resolved
 
 
