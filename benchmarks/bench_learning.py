@@ -344,7 +344,7 @@ def run_seeds(args: argparse.Namespace, argv: list[str]) -> int:
                 (r["step"] for r in rows if r["correct_fraction"] >= 0.5), None
             ),
         }
-    finals = [p["correct_last10"] for p in per_seed.values() if p.get("correct_last10")]
+    finals = [p["correct_last10"] for p in per_seed.values() if p.get("correct_last10") is not None]
     spread = {
         "correct_last10_min": min(finals) if finals else None,
         "correct_last10_max": max(finals) if finals else None,

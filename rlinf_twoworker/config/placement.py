@@ -110,15 +110,22 @@ def resolve_placement(
         )
     slots = []
     for component in table:
-        spec = placement.get(component.name)
-        if spec is None and component.default_placement is not None:
-            spec = placement.get(component.default_placement)
+        spec = component_spec(placement, component)
         ranks = _ranks_of(cluster, component, spec)
         per_node = cluster.num_gpus_per_node
         slots += [
             Slot(component.name, i, r, r // per_node, r % per_node) for i, r in enumerate(ranks)
         ]
     return Placement(cluster.num_nodes, cluster.num_gpus_per_node, tuple(slots))
+
+
+def component_spec(placement: Mapping[str, Any], component: components.Component) -> Any:
+    """The component's entry of cluster.component_placement, or else its default component's
+    (the reference policy goes where inference goes unless named)."""
+    spec = placement.get(component.name)
+    if spec is None and component.default_placement is not None:
+        spec = placement.get(component.default_placement)
+    return spec
 
 
 def _ranks_of(cluster: ClusterShape, component: components.Component, spec: Any) -> list[int]:

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from rlinf_twoworker import components
 from rlinf_twoworker.config import GRPOConfig, to_typed
-from rlinf_twoworker.config.placement import parse_ranks
+from rlinf_twoworker.config.placement import component_spec, parse_ranks
 from rlinf_twoworker.errors import TwoWorkerError
 from rlinf_twoworker.results import VerificationReport
 from rlinf_twoworker.storage.checkpoints import dcp_problems
@@ -127,7 +127,7 @@ def check_config(run_dir: Path, report: VerificationReport, expected: Expected) 
         return [f"{path} is not a mapping of config keys; the resolved config is damaged"]
     cluster, runner = cfg.get("cluster") or {}, cfg.get("runner") or {}
     actual_placement = cluster.get("component_placement")
-    report.placement = _resolved_placement(actual_placement, cfg)
+    report.placement = _resolved_placement(cfg)
     errors = []
     checks = (
         ("cluster.num_nodes", cluster.get("num_nodes"), expected.expected_nodes),
@@ -163,7 +163,7 @@ def check_location(run_dir: Path, expected: Expected) -> list[str]:
     ]
 
 
-def _resolved_placement(spec: Any, record: dict) -> dict:
+def _resolved_placement(record: dict) -> dict:
     """Component -> its placement spec, resource ranks and nodes, as the run placed them: the
     recorded config read back as a typed config, whose `placement` is the one rule the run
     itself placed by (config/placement.py). {} where the record does not type-check (the
@@ -173,15 +173,15 @@ def _resolved_placement(spec: Any, record: dict) -> dict:
         placement = typed.placement
     except Exception:  # a damaged or foreign record: the checks above say what is wrong
         return {}
-    per_node = typed.cluster.num_gpus_per_node
+    spec, per_node = typed.cluster.component_placement, typed.cluster.num_gpus_per_node
     resolved = {}
-    for name, ranks in placement.as_dict().items():
-        given = spec.get(name) if isinstance(spec, dict) else None
-        default = next(c.default_placement for c in components.TABLE if c.name == name)
-        if given is None and default is not None and isinstance(spec, dict):
-            given = spec.get(default)
-        nodes = sorted({r // per_node for r in ranks})
-        resolved[name] = {"spec": given, "resource_ranks": ranks, "nodes": nodes}
+    for component in components.in_run(typed):
+        ranks = placement.ranks(component.name)
+        resolved[component.name] = {
+            "spec": component_spec(spec, component),
+            "resource_ranks": ranks,
+            "nodes": sorted({r // per_node for r in ranks}),
+        }
     return resolved
 
 
