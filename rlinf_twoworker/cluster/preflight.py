@@ -63,7 +63,7 @@ class PreflightReport:
         return asdict(self)
 
 
-async def _collective(probes: list, nodes: list[dict], cfg: GRPOConfig, deadline: float) -> dict:
+async def _collective(probes: _Probes, nodes: list[dict], cfg: GRPOConfig, deadline: float) -> dict:
     """All-reduce across the probes; a stall fails within the timeout, naming the addresses."""
     backend = "nccl" if cfg.cluster.accelerator == "cuda" else "gloo"
     timeout_s = max(1.0, min(cfg.runner.timeouts.collective_s, deadline - time.monotonic()))
@@ -71,10 +71,10 @@ async def _collective(probes: list, nodes: list[dict], cfg: GRPOConfig, deadline
     out: dict[str, Any] = {"backend": backend, "init_method": None, "world_size": world}
     out.update(expected=world * (world + 1) / 2, results=[], error=None)
     try:
-        port = await asyncio.wait_for(probes[0].free_port.remote(), timeout_s)
+        port = await asyncio.wait_for(probes.call(0, "free_port"), timeout_s)
         out["init_method"] = f"tcp://{nodes[0]['ip']}:{port}"
         args = (out["init_method"], world, backend, timeout_s)
-        refs = [p.all_reduce.remote(args[0], i, *args[1:]) for i, p in enumerate(probes)]
+        refs = [probes.call(i, "all_reduce", args[0], i, *args[1:]) for i in range(world)]
         out["results"] = await asyncio.wait_for(asyncio.gather(*refs), timeout_s + 10.0)
     except Exception as exc:  # a stall or a failed rendezvous, reported below
         text = str(exc).strip().splitlines() or [type(exc).__name__]
@@ -99,32 +99,77 @@ class Beside:
     gpu_ids: Awaitable[dict[int, list[str]]]
 
 
-def _start_probes(
-    cfg: GRPOConfig, pg: PlacementGroup, probe_cls: type[NodeProbe], shared: frozenset[int]
-) -> list:
-    """One probe actor per bundle, holding that node's GPUs (logical ones on a CPU cluster),
-    none where the bundle's components hold them (`shared`)."""
-    actor_cls = ray.remote(probe_cls)
-    return [
-        actor_cls.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
+def _probe_task(probe_cls: type[NodeProbe], method: str, *args: Any) -> Any:
+    """One call of a node probe, as a Ray task (`_Probes`)."""
+    return getattr(probe_cls(), method)(*args)
+
+
+class _Probes:
+    """One node probe per bundle, pinned to it, holding that node's GPUs (logical ones on a
+    CPU cluster) or none where the bundle's components hold them (`shared`).
+
+    On GPUs each probe is an actor: its process, CUDA context and all, ends with the
+    preflight (`release`), before the components need the memory. Where no CUDA is touched
+    (cluster.accelerator=cpu) each call is a Ray task instead, run in the node's pooled
+    worker, which serves the next run's probe too with its heavy imports done (the import
+    check finds them imported: probe.import_in_subprocesses); a probe keeps no state between
+    calls. `release` ends every call still running (a stalled node, a cancelled run)."""
+
+    def __init__(
+        self, cfg: GRPOConfig, pg: PlacementGroup, probe_cls: type[NodeProbe], shared: frozenset
+    ) -> None:
+        self.pooled = cfg.cluster.accelerator != "cuda"
+        self.probe_cls = probe_cls
+        self.refs: list[Any] = []
+
+        def pinned(i: int) -> dict[str, Any]:
+            strategy = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=i
-            ),
-            num_gpus=0 if i in shared else cfg.cluster.num_gpus_per_node,
-            num_cpus=0,
-        ).remote()
-        for i in range(pg.bundle_count)
-    ]
+            )
+            gpus = 0 if i in shared else cfg.cluster.num_gpus_per_node
+            return {"scheduling_strategy": strategy, "num_gpus": gpus, "num_cpus": 0}
+
+        bundles = range(pg.bundle_count)
+        if self.pooled:  # max_calls=0: the worker serves later calls (Ray's default for
+            # a task that holds no GPU; one holding GPUs, logical ones included, would get 1)
+            task = ray.remote(max_calls=0)(_probe_task)
+            name = f"{probe_cls.__name__}.node"
+            self.nodes = [task.options(**pinned(i), name=f"{name}{i}") for i in bundles]
+        else:
+            actor = ray.remote(probe_cls)
+            self.nodes = [actor.options(**pinned(i)).remote() for i in bundles]
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def call(self, node: int, method: str, *args: Any) -> Any:
+        if self.pooled:
+            ref = self.nodes[node].remote(self.probe_cls, method, *args)
+        else:
+            ref = getattr(self.nodes[node], method).remote(*args)
+        self.refs.append(ref)
+        return ref
+
+    def release(self) -> None:
+        if not self.pooled:
+            for actor in self.nodes:
+                ray.kill(actor)
+            return
+        for ref in self.refs:
+            try:
+                ray.cancel(ref, force=True)  # a no-op for a call that has finished
+            except Exception:  # gone with its worker already: nothing left to end
+                pass
 
 
 async def _gather(
-    probes: list,
+    probes: _Probes,
     cfg: GRPOConfig,
     node_ids: list[str],
     deadline: float,
     gpu_ids: dict[int, list[str]],
 ) -> list[dict]:
-    refs = [p.run.remote(cfg, i, gpu_ids.get(i)) for i, p in enumerate(probes)]
+    refs = [probes.call(i, "run", cfg, i, gpu_ids.get(i)) for i in range(len(probes))]
     nodes_info = await asyncio.to_thread(ray.nodes)
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes_info}
 
@@ -212,7 +257,7 @@ async def preflight(
     start = time.monotonic()
     deadline = start + (timeout_s or cfg.runner.timeouts.preflight_s)
     shared = beside.bundles if beside is not None else frozenset()
-    probes = _start_probes(cfg, pg, probe_cls, shared)  # first: their processes take seconds
+    probes = _Probes(cfg, pg, probe_cls, shared)
     try:
         node_ids, nodes_info, resources = await asyncio.gather(
             asyncio.to_thread(bundle_node_ids, pg),
@@ -234,8 +279,7 @@ async def preflight(
             else:
                 report.notes.append("collective check skipped: not every probe answered")
     finally:
-        for probe in probes:
-            ray.kill(probe)
+        probes.release()
     report.passed = not report.errors
     report.seconds = round(time.monotonic() - start, 3)
     _status_lines(report, head_ids, log)

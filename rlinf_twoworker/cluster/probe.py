@@ -353,17 +353,29 @@ class NodeProbe:
     def all_reduce(
         self, init_method: str, rank: int, world_size: int, backend: str, timeout_s: float
     ) -> float:
-        """Join a process group of all probes, all-reduce (rank + 1), leave; returns the sum."""
+        """Join a process group of all probes, all-reduce (rank + 1), leave; returns the sum.
+
+        Over gloo the group is made from its own store and left to the garbage collector,
+        outside torch.distributed's process-wide state: a CPU cluster's probe runs in Ray's
+        pooled worker, where a join that failed before (a peer that never came) would
+        otherwise leave a group counter that no peer shares and every later join would wait
+        for its timeout. NCCL's probes are processes of their own (preflight._Probes)."""
         import torch
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
+        if backend == "gloo":
+            host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), world_size, rank == 0, timeout=timeout)
+            group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            value = torch.tensor([rank + 1.0])
+            group.allreduce([value]).wait()  # type: ignore[attr-defined]
+            return float(value.item())
         dist.init_process_group(
             backend, init_method=init_method, timeout=timeout, world_size=world_size, rank=rank
         )
         try:
-            device = "cuda:0" if backend == "nccl" else "cpu"
-            value = torch.tensor([rank + 1.0], device=device)
+            value = torch.tensor([rank + 1.0], device="cuda:0")
             dist.all_reduce(value)
             return float(value.item())
         finally:
