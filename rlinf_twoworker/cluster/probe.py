@@ -193,6 +193,7 @@ class NodeProbe:
         bytecode = for_this_process()  # where the node keeps no bytecode, the compile cache does
         bytecode.use(cfg.compile_cache_root, who)
         r: dict[str, Any] = {"node_rank": node_rank, "hostname": socket.gethostname()}
+        r["pid"] = os.getpid()
         r.update(ip=self.node_ip(), node_id=None, ray_gpu_ids=[], python_prefix=sys.prefix)
         r.update(python_version=sys.version.split()[0], accelerator=cfg.cluster.accelerator)
         errors: list[str] = []

@@ -21,7 +21,8 @@ overlap one another):
                      torch.compile's stack (compiler_imports/)
     controller_imports  the controller's training modules (torch), imported in a thread from
                      the components' request on; recorded before the process groups
-    preflight        every node's probe done (the probes check the GPUs the components hold)
+    preflight        from the components' request to every node's probe done (the probes
+                     check the GPUs the components hold, once they have answered)
     preflight/node<i>/<check>  one check's seconds on one node (gpus, env_and_code, manifests,
                      model_configs, imports), inside `preflight`
     preflight/collective  the cross-node all-reduce, inside `preflight`
