@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is imported
@@ -13,6 +14,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("NCCL_IB_DISABLE", "1")
 
 import pytest  # noqa: E402
+from support import REFERENCE_SETTINGS, FinishedRun  # noqa: E402
 
 from rlinf_twoworker.cluster.local import LocalCluster  # noqa: E402
 
@@ -43,17 +45,29 @@ def finished_inputs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def finished_run(cluster_2x2, finished_inputs, tmp_path_factory):
-    """A finished, verified 2-step run (lr high enough that training moves the weights), shared
-    by the tests that read a run back; they change only copies of it."""
+def reference_run(cluster_2x2, finished_inputs, tmp_path_factory) -> FinishedRun:
+    """The demo's 2-step run on the digit task with REFERENCE_SETTINGS, run once for the
+    session: test_engine checks it end to end, test_warmup compares a warmed-up run with it,
+    and the tests that read a run back use its directory (they change only copies of it)."""
+    import ray
+
     from rlinf_twoworker import run_grpo_two_worker
     from rlinf_twoworker.api.demo import demo_config
 
-    root = tmp_path_factory.mktemp("finished-runs")
-    config = demo_config(finished_inputs, root, "done", ["actor.optim.lr=1e-3"])
-    report = run_grpo_two_worker(config).result(timeout=300)
-    assert report.passed, report.errors
-    return root / "done"
+    root = tmp_path_factory.mktemp("reference")
+    cfg = demo_config(finished_inputs, root, "e2e", REFERENCE_SETTINGS)
+    handle = run_grpo_two_worker(cfg)
+    steps = [ray.get(handle.step(n), timeout=300) for n in (1, 2)]
+    checkpoint = ray.get(handle.checkpoint(2), timeout=300)
+    report = handle.result(timeout=300)
+    return FinishedRun(cfg, handle, steps, checkpoint, report, root / "e2e")
+
+
+@pytest.fixture(scope="session")
+def finished_run(reference_run) -> Path:
+    """The reference run's directory, finished and verified; read-only."""
+    assert reference_run.report.passed, reference_run.report.errors
+    return reference_run.run_dir
 
 
 def run_in_own_process(script: str, *args: str, timeout: float) -> Any:

@@ -5,6 +5,7 @@ pytest puts this folder on sys.path (pyproject's `pythonpath`): `from support im
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,23 @@ BENCHMARKS = REPO / "benchmarks"
 RLINF_REF = REPO.parent / "shared" / "rlinf_ref"
 """RLinf's reference data (the grader's verdicts, its YAML), beside the repository where the
 project's shared folder is; the tests that read it skip, saying why, where it is absent."""
+
+REFERENCE_SETTINGS = ["actor.optim.lr=1e-3", "rollout.validate_weight=true"]
+"""The reference run's overrides of the demo: lr high enough that training moves the weights,
+the weight sync checked bit for bit after every step."""
+
+
+@dataclass
+class FinishedRun:
+    """A run started through the library and awaited to its end, as a user would."""
+
+    cfg: Any
+    handle: Any
+    steps: list[Any]
+    checkpoint: Any
+    report: Any
+    run_dir: Path
+
 
 FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),

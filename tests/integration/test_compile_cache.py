@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -124,11 +125,18 @@ def _run(model: Path, root: Path, inductor: Path) -> dict:
     return _finish(_start(model, root, inductor))
 
 
-def test_two_runs_share_one_cache_and_a_third_starts_warm(tiny_model, tmp_path):
-    root = tmp_path / "cache"
+@pytest.fixture(scope="module")
+def cold(tiny_model, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """Two runs at once on one empty cache: (the cache, their results)."""
+    tmp = tmp_path_factory.mktemp("cold")
+    root = tmp / "cache"
+    first = [_start(tiny_model, root, tmp / f"inductor-{i}") for i in range(2)]
+    return root, [_finish(p) for p in first]
+
+
+def test_two_runs_share_one_cache_and_a_third_starts_warm(tiny_model, cold, tmp_path):
+    root, results = cold
     # Two runs at once, both cold: both compile, both save, neither sees a half-written entry.
-    first = [_start(tiny_model, root, tmp_path / f"inductor-{i}") for i in range(2)]
-    results = [_finish(p) for p in first]
     for result in results:
         assert result["loaded"] == "cold" and result["saved"] == "saved"
         assert result["misses"] > 0 and result["hits"] == 0
@@ -144,10 +152,9 @@ def test_two_runs_share_one_cache_and_a_third_starts_warm(tiny_model, tmp_path):
     assert warm["checksum"] == pytest.approx(results[0]["checksum"], rel=1e-6)
 
 
-def test_a_corrupt_entry_is_reported_moved_aside_and_replaced(tiny_model, tmp_path):
-    root = tmp_path / "cache"
-    cold = _run(tiny_model, root, tmp_path / "inductor-a")
-    assert cold["saved"] == "saved"
+def test_a_corrupt_entry_is_reported_moved_aside_and_replaced(tiny_model, cold, tmp_path):
+    root = shutil.copytree(cold[0], tmp_path / "cache")  # a copy of the cold runs' cache
+    first = cold[1][0]
     (entry,) = root.glob("*/inference.bin")
     whole = entry.read_bytes()
     entry.write_bytes(whole[: len(whole) // 2])  # a truncated write, say
@@ -155,7 +162,7 @@ def test_a_corrupt_entry_is_reported_moved_aside_and_replaced(tiny_model, tmp_pa
     assert broken["loaded"] == "corrupt" and "checksum mismatch" in broken["loaded_detail"]
     assert broken["misses"] > 0 and broken["saved"] == "saved"  # compiled afresh, replaced
     assert entry.with_name("inference.bin.corrupt").exists()
-    assert broken["checksum"] == pytest.approx(cold["checksum"], rel=1e-6)
+    assert broken["checksum"] == pytest.approx(first["checksum"], rel=1e-6)
     # A payload torch cannot load (right header and checksum, wrong content) falls back too.
     payload = b"not torch artifacts"
     import hashlib

@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
+from support import REFERENCE_SETTINGS
 
 from rlinf_twoworker import run_grpo_two_worker
-from rlinf_twoworker.api.demo import demo_config, make_inputs
+from rlinf_twoworker.api.demo import demo_config
+from rlinf_twoworker.config import to_typed
 from rlinf_twoworker.storage.readback import load_dcp
 
 TIMEOUT = 300
-SETTINGS = ["actor.optim.lr=1e-3", "rollout.validate_weight=true"]
 SAME_METRICS = (
     "rollout/reward_scores",
     "rollout/response_length",
@@ -23,22 +24,22 @@ SAME_METRICS = (
 )
 
 
-def run(inputs, root, run_id: str, warm_up: bool):
+@pytest.mark.slow
+def test_the_warm_up_runs_beside_step_1_and_changes_no_training(
+    reference_run, finished_inputs, tmp_path
+):
+    """The session's reference run (no warm-up: the default on CPUs) against the same run
+    with the warm-up."""
+    assert reference_run.report.passed, reference_run.report.errors
+    plain_dir, plain = reference_run.run_dir, reference_run.steps
+    assert not to_typed(reference_run.cfg).warms_up
     cfg = demo_config(
-        inputs, root, run_id, [*SETTINGS, f"runner.compile_warm_up={str(warm_up).lower()}"]
+        finished_inputs, tmp_path, "warmed", [*REFERENCE_SETTINGS, "runner.compile_warm_up=true"]
     )
     handle = run_grpo_two_worker(cfg)
     report = handle.result(timeout=TIMEOUT)
     assert report.passed, report.errors
-    steps = [ray.get(handle.step(n), timeout=30) for n in (1, 2)]
-    return handle.output_dir, steps
-
-
-@pytest.mark.slow
-def test_the_warm_up_runs_beside_step_1_and_changes_no_training(cluster_2x2, tmp_path):
-    inputs = make_inputs(tmp_path / "inputs", task="digit7")
-    plain_dir, plain = run(inputs, tmp_path, "plain", warm_up=False)
-    warmed_dir, warmed = run(inputs, tmp_path, "warmed", warm_up=True)
+    warmed_dir, warmed = handle.output_dir, [ray.get(handle.step(n), timeout=30) for n in (1, 2)]
 
     phases = {"warm_up/inference:0", "warm_up/actor:0", "warm_up/actor:1"}
     assert phases <= set(warmed[0].startup), warmed[0].startup
