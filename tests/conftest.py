@@ -21,8 +21,10 @@ from rlinf_twoworker.cluster.local import LocalCluster  # noqa: E402
 
 @pytest.fixture(scope="session")
 def cluster_2x2():
-    """A LocalCluster(2, 2) shared by the session; this process is connected to it."""
-    with LocalCluster(num_nodes=2, gpus_per_node=2) as cluster:
+    """A LocalCluster(2, 2) shared by the session; this process is connected to it. Ray's
+    metrics are reported every 2 s, not 10 (test_ray_metrics waits for a few reports)."""
+    system = {"metrics_report_interval_ms": 2000}
+    with LocalCluster(num_nodes=2, gpus_per_node=2, system_config=system) as cluster:
         yield cluster
 
 

@@ -67,6 +67,8 @@ class LocalCluster:
     import the library ahead of a run (rlinf_twoworker/preload.py). cpu_head=True adds a
     head node without GPUs in front of the num_nodes GPU nodes, as KubeRay and hosted Ray
     make it: this process connects to it, and the run's bundle 0 goes to a GPU node.
+    system_config: Ray's system settings for every node (`_system_config`), e.g.
+    {"metrics_report_interval_ms": 2000} to see Ray's metrics sooner than every 10 s.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class LocalCluster:
         object_store_mb: int = 150,
         preload: bool = False,
         cpu_head: bool = False,
+        system_config: dict[str, Any] | None = None,
     ) -> None:
         if num_nodes < 1 or gpus_per_node < 1:
             raise ValueError(
@@ -87,6 +90,7 @@ class LocalCluster:
         self.num_nodes, self.gpus_per_node = num_nodes, gpus_per_node
         self.cpus_per_node, self.connect = cpus_per_node, connect
         self.preload, self.cpu_head = preload, cpu_head
+        self.system_config = dict(system_config or {})
         self.object_store_bytes = object_store_mb * 1024 * 1024
         self.real_gpus = visible_cuda_gpus() >= num_nodes * gpus_per_node
         self._cluster: Any = None  # ray.cluster_utils.Cluster once started
@@ -135,11 +139,11 @@ class LocalCluster:
         else:
             head, gpu_nodes = self._node_args(0), range(1, self.num_nodes)
         head.update(include_dashboard=False, dashboard_host=LOOPBACK)
-        if self.preload:  # cluster-wide: every node's raylet reads it from the head
-            head["_system_config"] = {
-                "preload_python_modules": [PRELOAD_MODULE],
-                "enable_worker_prestart": True,
-            }
+        system = dict(self.system_config)  # cluster-wide: every raylet reads it from the head
+        if self.preload:
+            system.update(preload_python_modules=[PRELOAD_MODULE], enable_worker_prestart=True)
+        if system:
+            head["_system_config"] = system
         with _host_address_untouched():
             cluster = Cluster(initialize_head=True, head_node_args=head)
             self._cluster = cluster

@@ -161,3 +161,14 @@ def test_a_local_cluster_leaves_another_clusters_address_and_sessions_alone(tmp_
         else:
             with open(address_file, "w") as handle:
                 handle.write(before)
+
+
+def test_system_config_reaches_the_driver_and_the_workers(cluster_2x2):
+    """conftest.py starts the session's cluster with Ray's metrics reported every 2 s."""
+
+    @ray.remote(num_cpus=0)
+    def interval() -> int:
+        return ray._config.metrics_report_interval_ms()
+
+    assert ray._config.metrics_report_interval_ms() == 2000
+    assert ray.get(interval.remote(), timeout=60) == 2000

@@ -64,7 +64,8 @@ def test_a_steps_reward_and_the_runs_state_reach_rays_metrics_endpoint(cluster_2
     run_id = "ray-metrics"
     inputs = make_inputs(tmp_path / "inputs")
     cfg = demo_config(inputs, tmp_path, run_id, ["runner.max_steps=1", "runner.save_interval=-1"])
-    # The session's cluster keeps Ray's report interval (10 s): a value shows within two.
+    # The session's cluster reports every 2 s (conftest.py; Ray's default is 10 s): a value
+    # shows within two report intervals.
     interval_s = max(ray._config.metrics_report_interval_ms(), 1000) / 1000
     export_s = 3 * interval_s + 10
     handle = run_grpo_two_worker(cfg)
