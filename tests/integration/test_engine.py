@@ -273,9 +273,19 @@ def test_cancel_makes_pending_futures_raise_and_frees_the_cluster(cluster_2x2, i
         assert f"STARTUP {phase} " in log, phase
     assert "rollout/reward_scores" in status["metrics"]
     assert "run_id='cancelled'" in repr(handle) and "steps_done=" in repr(handle)
+    # A Driver polling handle.step(n) costs the controller one waiting call per step, not one
+    # per poll (its calls share max_concurrency slots with status() and cancel()): after
+    # 10,000 polls of a step minutes away, status() answers within 1 s, cancel() within 10 s.
+    for _ in range(10_000):
+        ready, _ = ray.wait([handle.step(50)], timeout=0)
+        assert not ready
     pending = handle.step(50)
     started = time.monotonic()
+    status = handle.status()
+    assert time.monotonic() - started < 1.0 and status["state"] == "running", status
+    started = time.monotonic()
     handle.cancel()
+    assert time.monotonic() - started < 10.0
     with pytest.raises(RunCancelledError):
         try:
             ray.get(pending, timeout=60)

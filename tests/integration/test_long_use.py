@@ -1,6 +1,7 @@
-"""Long use leaks nothing: polling a step's future costs the controller one call however often
-it is polled; the reward's grading processes die with the reward actor; a stalled storage
-delays neither status() nor failure detection. On a real 2-node Ray cluster."""
+"""Long use leaks nothing: the reward's grading processes die with the reward actor; a stalled
+storage delays neither status() nor failure detection. On a real 2-node Ray cluster. (That
+polling a step's future costs the controller one call however often it is polled is checked
+on test_engine's cancelled run.)"""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 import ray
 
-from rlinf_twoworker import ComponentError, RunCancelledError, run_grpo_two_worker
+from rlinf_twoworker import ComponentError, run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config
 from rlinf_twoworker.workers.reward import MathReward, RewardWorker
 
@@ -25,11 +26,8 @@ from rlinf_twoworker.workers.reward import MathReward, RewardWorker
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 TIMEOUT = 300
-POLLS = 10_000
 ANSWER_S = 1.0
 """status() must answer within this (a correctness bound: it reads fields, it waits on nothing)."""
-CANCEL_S = 10.0
-"""cancel() must return within this: it stops the run and releases its actors and group."""
 GRADERS = Path(tempfile.mkdtemp(prefix="rlinf-long-use-"))
 # A grader module the grading processes can import (they are fresh interpreters and unpickle
 # the grader by name): it leaves a marker named by its pid, then grades for two minutes.
@@ -132,25 +130,6 @@ def unstall(fifo: Path, kept: Path, timeout: float = 10) -> str:
 
 
 # ---- the tests -------------------------------------------------------------------------------
-
-
-def test_ten_thousand_step_polls_leave_status_and_cancel_prompt(cluster_2x2, inputs, tmp_path):
-    """A Driver polling handle.step(n) costs the controller one waiting call per step, not
-    one per poll: its calls share max_concurrency (1000) slots with status() and cancel()."""
-    last = ["runner.max_steps=400", "runner.max_epochs=7", "runner.save_interval=400"]
-    handle = run_grpo_two_worker(demo_config(inputs, tmp_path, "polls", last))
-    ray.get(handle.step(1), timeout=TIMEOUT)
-    for _ in range(POLLS):  # step 400 is minutes away: the run is cancelled long before
-        ready, _ = ray.wait([handle.step(400)], timeout=0)
-        assert not ready
-    status, seconds = timed(handle.status)
-    assert seconds < ANSWER_S and status["state"] == "running", (seconds, status)
-    _, seconds = timed(handle.cancel)
-    assert seconds < CANCEL_S
-    with pytest.raises(RunCancelledError):
-        handle.result(timeout=60)
-    with pytest.raises(RunCancelledError):
-        ray.get(handle.step(400), timeout=30)
 
 
 PARENT = """
