@@ -68,6 +68,12 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
         (),
         "a fresh process's torch and transformers imports, alone, together, with bytecode kept",
     ),
+    "run_cost": (
+        "bench_run_cost",
+        (),
+        "a CPU run's cost: the host's CPU-seconds and wall time of successive 2-step demo runs "
+        "on one LocalCluster, each process's share (the unit of the test suite's time)",
+    ),
     "trl": (
         "bench_trl",
         (),
