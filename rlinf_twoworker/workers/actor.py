@@ -8,7 +8,6 @@ minibatch, independent of how rows are split across ranks and micro-batches.
 from __future__ import annotations
 
 import contextlib
-import gc
 import socket
 import time
 import warnings
@@ -36,7 +35,7 @@ from rlinf_twoworker.engines.models import (
     response_logprobs,
     run_or_eager,
 )
-from rlinf_twoworker.engines.offload import ActorOffload
+from rlinf_twoworker.engines.offload import ActorOffload, collect_garbage, settle_heap
 from rlinf_twoworker.engines.weight_sync import export_weights, send_weights
 from rlinf_twoworker.messages import ActorShard, TrainStats, step_metrics
 from rlinf_twoworker.storage import checkpoints
@@ -365,6 +364,8 @@ class ActorWorker(Worker):
         """One GRPO update: one optimiser step per minibatch shard given to this rank. Means
         over the minibatches (RLinf logs each minibatch; a step's value is their mean)."""
         start = time.perf_counter()
+        if self.cfg.offloads:  # the offloads' collections then walk only what a step makes
+            settle_heap()
         self.offloader.load()  # back from CPU memory when offloaded
         self.model.train()
         results = [self._minibatch_or_eager(s, i == 0) for i, s in enumerate(shards)]
@@ -417,7 +418,7 @@ class ActorWorker(Worker):
             # A block sent through CUDA IPC stays allocated until the sender collects it, even
             # after the consumers let go: without this, every colocated sync kept one more
             # copy of the weights (3.3 GiB a step at the 1.5B shape, measured).
-            gc.collect()
+            collect_garbage()
             torch.cuda.ipc_collect()
 
     def send_weights(self, sync_dtype: str) -> dict[str, float]:

@@ -258,6 +258,9 @@ class PolicyCopy(Worker):
         (actor.enable_offload): its weights (the next sync writes them all) and its cache."""
         start = time.perf_counter()
         freed = offload.release_weights(self.model)
+        # The samplers are gone by now (nothing transient is alive), so the survivors can
+        # leave the collector's view: next step's collections walk only what it makes.
+        offload.settle_heap()
         offload.free_cached(self.device)
         held = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         # The memory plan counts none of it during the update. Said once, and again only

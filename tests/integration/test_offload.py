@@ -4,6 +4,9 @@ exactly as one without, on a real cluster (CPU: the same moves, to and from CPU 
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import ray
 import torch
@@ -82,6 +85,64 @@ def test_the_actors_state_leaves_and_comes_back_in_place_and_its_gradients_are_f
         torch.testing.assert_close(tensor.detach(), was, rtol=0, atol=0)
     optimizer.step()  # and the optimiser steps on them as before
     assert mover.take_seconds() >= 0 and mover.take_seconds() == 0
+
+
+def _full_collections(fn) -> int:
+    """How many full (generation 2) garbage collections `fn()` ran, seen by gc itself."""
+    seen = []
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            seen.append(1)
+
+    gc.callbacks.append(count)
+    try:
+        fn()
+    finally:
+        gc.callbacks.remove(count)
+    return len(seen)
+
+
+def test_an_offload_with_nothing_left_to_move_collects_nothing():
+    model = tiny_qwen2().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    mover = offload.ActorOffload(model, optimizer, torch.device("cpu"))
+    try:
+        # The update's end moves the optimiser state and frees the gradients: one collection.
+        assert _full_collections(mover.offload_optimizer) == 1
+        assert _full_collections(mover.offload) == 1  # the parameters follow: one more
+        # What the step asks after the sync already moved everything: nothing to do.
+        assert _full_collections(mover.offload) == 0
+        assert _full_collections(mover.offload_optimizer) == 0
+        mover.load()
+        assert _full_collections(mover.offload_params) == 1
+    finally:
+        gc.unfreeze()
+
+
+class _Cycle:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.me = tensor, self
+
+
+def test_settle_heap_frees_tensors_held_by_cycles_and_later_collections_skip_the_old_heap():
+    try:
+        held = weakref.ref(_Cycle(torch.ones(4)).tensor)
+        assert held() is not None  # only the cycle holds it: reference counts cannot free it
+        offload.settle_heap()
+        assert held() is None
+        frozen = gc.get_freeze_count()
+        # What a full collection walks now: a small part of what it walked (torch, the
+        # model, the test session), which stays out of its view.
+        assert frozen > 10 * len(gc.get_objects())
+        later = weakref.ref(_Cycle(torch.ones(4)).tensor)  # made after the freeze
+        offload.collect_garbage()
+        assert later() is None  # what is made after it is still collected
+        assert gc.get_freeze_count() == frozen  # a plain collection freezes nothing
+    finally:
+        gc.unfreeze()
 
 
 def _run(inputs, tmp_path, run_id: str, overrides: list[str]):
