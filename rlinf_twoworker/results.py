@@ -115,7 +115,8 @@ class VerificationReport:
     workers: list[dict] = field(default_factory=list)
     """preflight.json's per-node entries (empty when the file is absent)."""
     placement: dict = field(default_factory=dict)
-    """Component -> {"spec", "resource_ranks", "nodes"} from the resolved config."""
+    """Component -> {"spec", "resource_ranks", "nodes"}, as the run recorded them in
+    placement.json."""
     actor_fsdp_shards: int = 0
     memory_peaks: dict[str, float] = field(default_factory=dict)
     """memory/<component>/<rank>/<what> -> the largest value of any step (GiB)."""

@@ -119,6 +119,24 @@ def resolve_placement(
     return Placement(cluster.num_nodes, cluster.num_gpus_per_node, tuple(slots))
 
 
+def placement_record(
+    cluster: ClusterShape, placement: Placement, table: Sequence[components.Component]
+) -> dict[str, dict[str, Any]]:
+    """Component -> {"spec": its cluster.component_placement entry, "resource_ranks",
+    "nodes"}, for `table`'s components as `placement` (resolve_placement's) placed them: what
+    the run records in placement.json and the postflight reports."""
+    per_node = cluster.num_gpus_per_node
+    record = {}
+    for component in table:
+        ranks = placement.ranks(component.name)
+        record[component.name] = {
+            "spec": component_spec(cluster.component_placement, component),
+            "resource_ranks": ranks,
+            "nodes": sorted({r // per_node for r in ranks}),
+        }
+    return record
+
+
 def component_spec(placement: Mapping[str, Any], component: components.Component) -> Any:
     """The component's entry of cluster.component_placement, or else its default component's
     (the reference policy goes where inference goes unless named)."""

@@ -24,6 +24,7 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlinf_twoworker import components
 from rlinf_twoworker.cluster.connect import ray_name
 from rlinf_twoworker.cluster.memory_parts import model_shapes
 from rlinf_twoworker.cluster.memory_plan import (
@@ -41,6 +42,7 @@ from rlinf_twoworker.cluster.placement import (
     wait_removed,
 )
 from rlinf_twoworker.config import GRPOConfig, config_notes, precision_warning
+from rlinf_twoworker.config.placement import placement_record
 from rlinf_twoworker.errors import RunCancelledError, TwoWorkerError
 from rlinf_twoworker.results import CheckpointInfo, StepResult
 from rlinf_twoworker.run import lifecycle
@@ -65,6 +67,7 @@ from rlinf_twoworker.storage.data import (
     validation_samples,
 )
 from rlinf_twoworker.storage.rollouts import write_rollouts
+from rlinf_twoworker.storage.rundir import write_placement
 
 TRAINING_MODULES = (
     "rlinf_twoworker.engines.models",
@@ -367,6 +370,12 @@ class RunController:
         with clock.phase("components"):
             await group.load()  # every component loads its model in parallel
         self.components_ready = True
+        await asyncio.to_thread(
+            write_placement,
+            self.run_dir,
+            placement_record(self.cfg.cluster, self.cfg.placement, components.in_run(self.cfg)),
+            [p.to_dict() for p in group.topology()],
+        )
         # Records only: beside the process groups and the sync, not before them (a
         # component answers after its preparation, which the sync does not wait for).
         recorded = background(

@@ -12,9 +12,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from rlinf_twoworker import components
-from rlinf_twoworker.config import GRPOConfig, to_typed
-from rlinf_twoworker.config.placement import component_spec, parse_ranks
+from rlinf_twoworker.config.placement import parse_ranks
 from rlinf_twoworker.errors import TwoWorkerError
 from rlinf_twoworker.results import VerificationReport
 from rlinf_twoworker.storage.checkpoints import dcp_problems
@@ -25,6 +23,7 @@ from rlinf_twoworker.storage.rundir import (
     DRIVER_LOG,
     FAILURE_JSON,
     MAIN_LOG,
+    PLACEMENT_JSON,
     PREFLIGHT_JSON,
     checkpoint_dir,
 )
@@ -127,7 +126,6 @@ def check_config(run_dir: Path, report: VerificationReport, expected: Expected) 
         return [f"{path} is not a mapping of config keys; the resolved config is damaged"]
     cluster, runner = cfg.get("cluster") or {}, cfg.get("runner") or {}
     actual_placement = cluster.get("component_placement")
-    report.placement = _resolved_placement(cfg)
     errors = []
     checks = (
         ("cluster.num_nodes", cluster.get("num_nodes"), expected.expected_nodes),
@@ -163,26 +161,29 @@ def check_location(run_dir: Path, expected: Expected) -> list[str]:
     ]
 
 
-def _resolved_placement(record: dict) -> dict:
-    """Component -> its placement spec, resource ranks and nodes, as the run placed them: the
-    recorded config read back as a typed config, whose `placement` is the one rule the run
-    itself placed by (config/placement.py). {} where the record does not type-check (the
-    config check reports that)."""
+def check_placement(run_dir: Path, report: VerificationReport) -> list[str]:
+    """placement.json (storage/rundir.write_placement): each component's placement as the run
+    resolved it, reported; it must name a placement for every component it ran."""
+    path = run_dir / PLACEMENT_JSON
     try:
-        typed = to_typed(OmegaConf.merge(OmegaConf.structured(GRPOConfig), record))  # type: ignore[arg-type]
-        placement = typed.placement
-    except Exception:  # a damaged or foreign record: the checks above say what is wrong
-        return {}
-    spec, per_node = typed.cluster.component_placement, typed.cluster.num_gpus_per_node
-    resolved = {}
-    for component in components.in_run(typed):
-        ranks = placement.ranks(component.name)
-        resolved[component.name] = {
-            "spec": component_spec(spec, component),
-            "resource_ranks": ranks,
-            "nodes": sorted({r // per_node for r in ranks}),
-        }
-    return resolved
+        record = json.loads(path.read_text(encoding="utf-8"))
+        placed, processes = record["components"], record["processes"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [
+            f"{path} cannot be read ({type(exc).__name__}: {exc}); the run records where it "
+            "placed its components once they have started, so it never got that far or the "
+            "file was damaged"
+        ]
+    report.placement = placed
+    errors = []
+    for process in processes:
+        name, rank = process.get("component"), process.get("resource_rank")
+        if rank not in (placed.get(name) or {}).get("resource_ranks", []):
+            errors.append(
+                f"{path}: process {name}:{process.get('rank')} ran on resource rank {rank}, "
+                f"outside its component's placement {placed.get(name)}; damaged or not this run's"
+            )
+    return errors
 
 
 def _memory_estimates(run_dir: Path) -> dict[str, float]:

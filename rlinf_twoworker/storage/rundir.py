@@ -2,7 +2,8 @@
 
 Layout (SCENARIO.md): driver.log, preflight.json, hydra/.hydra/{config,overrides}.yaml,
 log/main.log, tensorboard/, checkpoints/global_step_<N>/{actor/dcp_checkpoint,data/data.pt},
-verification.json.
+verification.json; and the library's own records beside them: placement.json (where each
+component was placed and each process landed), memory_plan.json, failure.json.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 from filelock import FileLock, Timeout
@@ -27,6 +29,7 @@ OVERRIDES_YAML = "hydra/.hydra/overrides.yaml"
 PREFLIGHT_JSON = "preflight.json"
 VERIFICATION_JSON = "verification.json"
 FAILURE_JSON = "failure.json"
+PLACEMENT_JSON = "placement.json"
 TENSORBOARD_DIR = "tensorboard"
 CHECKPOINTS_DIR = "checkpoints"
 
@@ -160,6 +163,17 @@ def atomic_write_text(path: Path, text: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_placement(
+    run_dir: Path, components: dict[str, dict[str, Any]], processes: list[dict[str, Any]]
+) -> None:
+    """placement.json, once the components have started: each component's placement as the
+    run resolved it (config/placement.placement_record) and each process as it landed (its
+    bundle, node id and IP, GPU ids and pid: RunHandle.topology()). The postflight reads the
+    placement from here."""
+    record = {"components": components, "processes": processes}
+    atomic_write_text(run_dir / PLACEMENT_JSON, json.dumps(record, indent=2))
 
 
 def write_failure(run_dir: Path, exc: BaseException, state: str, step: int | None) -> None:

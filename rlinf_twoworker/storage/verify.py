@@ -93,6 +93,7 @@ def _run_checks(run_dir: Path, report: VerificationReport, expected: Expected) -
     return [
         *checks.check_logs(run_dir, expected.target_steps),
         *checks.check_config(run_dir, report, expected),
+        *checks.check_placement(run_dir, report),
         *checks.check_location(run_dir, expected),
         *checks.check_metrics(run_dir, report, expected),
         *checks.check_checkpoint(run_dir, report, expected),

@@ -101,6 +101,13 @@ def test_two_step_run_end_to_end(reference_run, inputs, tmp_path):
     report = handle.result(timeout=TIMEOUT)
     assert report.passed, report.errors
     assert handle.done() and handle.status()["state"] == "succeeded"
+    # The run's record of where it placed everything: each process as topology() answers,
+    # each component as the tutorial's placement resolves, and the postflight reports that.
+    record = json.loads((run_dir / "placement.json").read_text())
+    assert record["processes"] == topology
+    assert record["components"]["actor"] == {"spec": "2-3", "resource_ranks": [2, 3], "nodes": [1]}
+    assert record["components"]["reward"]["resource_ranks"] == [0]
+    assert report.placement == record["components"]
     assert "memory/actor/0/host_rss_gib" in handle.status()["metrics"]
     # The postflight keeps each process's peak over the run.
     assert set(report.memory_peaks) == {k for k in step2.metrics if k.startswith("memory/")}

@@ -17,10 +17,13 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
+from rlinf_twoworker import components
 from rlinf_twoworker.api.cli import build_parser, main
 from rlinf_twoworker.api.demo import DemoInputs, demo_config
-from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.config import GRPOConfig, to_typed
+from rlinf_twoworker.config.placement import placement_record
 from rlinf_twoworker.errors import VerificationError
+from rlinf_twoworker.storage.rundir import PLACEMENT_JSON, write_placement
 from rlinf_twoworker.storage.verify import (
     REQUIRED_SCALARS,
     VALIDATION_SCALARS,
@@ -129,7 +132,55 @@ def run_dir(tmp_path: Path, dcp_template: Path) -> Path:
     torch.save({"epoch": 0, "consumed": 16, "seed": 1234}, checkpoint / "data" / "data.pt")
     nodes = [{"node_rank": i, "hostname": h, "gpu_count": 2} for i, h in enumerate("ab")]
     (run / "preflight.json").write_text(json.dumps({"passed": True, "nodes": nodes}))
+    write_placement_record(run)
     return run
+
+
+def write_placement_record(run_dir: Path) -> None:
+    """placement.json as the run writes it for the demo's placement: each process on the
+    first resource rank of its placement (nodes "a" and "b")."""
+    inputs = DemoInputs(run_dir, run_dir / "model", run_dir / "data" / "demo-math.jsonl")
+    cfg = to_typed(demo_config(inputs, run_dir.parent, run_dir.name))
+    placed = placement_record(cfg.cluster, cfg.placement, components.in_run(cfg))
+    processes = [
+        {
+            "component": s.component,
+            "rank": s.rank,
+            "resource_rank": s.resource_rank,
+            "bundle": s.bundle,
+            "node_ip": "ab"[s.bundle],
+            "pid": 100 + i,
+        }
+        for i, s in enumerate(cfg.placement.slots)
+    ]
+    write_placement(run_dir, placed, processes)
+
+
+def test_the_placement_is_read_from_the_runs_record_which_must_hold_every_process(
+    run_dir: Path,
+) -> None:
+    record = json.loads((run_dir / PLACEMENT_JSON).read_text())
+    # What the run recorded is what the report says, whatever the config would resolve to.
+    record["components"]["inference"]["nodes"] = [0]
+    record["components"]["inference"]["resource_ranks"] = [0]
+    for process in record["processes"]:
+        if process["component"] == "inference":
+            process["resource_rank"] = 0
+    (run_dir / PLACEMENT_JSON).write_text(json.dumps(record))
+    report, _ = _verify(run_dir)
+    assert report.passed, report.errors
+    assert report.placement["inference"]["resource_ranks"] == [0]
+    # A process outside its component's placement: the record is not this run's.
+    record["processes"][-1]["resource_rank"] = 7
+    (run_dir / PLACEMENT_JSON).write_text(json.dumps(record))
+    report, _ = _verify(run_dir)
+    assert not report.passed
+    assert [e for e in report.errors if "ran on resource rank 7, outside" in e], report.errors
+    # No record: the run never started its components (or the file is gone).
+    (run_dir / PLACEMENT_JSON).unlink()
+    report, _ = _verify(run_dir)
+    assert not report.passed
+    assert [e for e in report.errors if "placement.json cannot be read" in e], report.errors
 
 
 def test_a_shard_written_as_several_files_a_rank_counts_once_and_each_file_is_checked(
