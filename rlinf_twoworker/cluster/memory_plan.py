@@ -30,6 +30,11 @@ from rlinf_twoworker.config.schema import (
 from rlinf_twoworker.errors import TwoWorkerError
 
 
+def _trains(component: str) -> bool:
+    """The component's row says it trains (the actor): its peak is the update's."""
+    return components.by_name(component).trains
+
+
 @dataclass
 class ProcessPlan:
     """One component process's estimate, in bytes by part."""
@@ -79,9 +84,7 @@ class GpuPlan:
         return max(self.phase(training=True), self.phase(training=False))
 
     def phase(self, training: bool) -> int:
-        return sum(
-            p.total if (p.component == "actor") == training else p.held for p in self.processes
-        )
+        return sum(p.total if _trains(p.component) == training else p.held for p in self.processes)
 
     @property
     def fits(self) -> bool:
@@ -258,8 +261,7 @@ def remedies(plan: MemoryPlan, cfg: GRPOConfig) -> list[str]:
     }
     out: list[str] = []
     shared = any(
-        {p.component for p in gpu.processes} - {"actor"}
-        and "actor" in {p.component for p in gpu.processes}
+        len({_trains(p.component) for p in gpu.processes}) == 2  # a trainer and another
         for gpu in plan.too_big()
     )
     if shared and not plan.settings.get("actor_offload") and not cfg.pipelined:
