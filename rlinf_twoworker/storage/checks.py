@@ -163,11 +163,14 @@ def check_location(run_dir: Path, expected: Expected) -> list[str]:
 
 def check_placement(run_dir: Path, report: VerificationReport) -> list[str]:
     """placement.json (storage/rundir.write_placement): each component's placement as the run
-    resolved it, reported; it must name a placement for every component it ran."""
+    resolved it, reported; every process it lists must have run inside its component's
+    resource ranks."""
     path = run_dir / PLACEMENT_JSON
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         placed, processes = record["components"], record["processes"]
+        if not isinstance(placed, dict) or not all(isinstance(p, dict) for p in processes):
+            raise TypeError("'components' must map names to placements, 'processes' be objects")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return [
             f"{path} cannot be read ({type(exc).__name__}: {exc}); the run records where it "

@@ -176,6 +176,10 @@ def test_the_placement_is_read_from_the_runs_record_which_must_hold_every_proces
     report, _ = _verify(run_dir)
     assert not report.passed
     assert [e for e in report.errors if "ran on resource rank 7, outside" in e], report.errors
+    # A damaged record is named, not a crash of the postflight.
+    (run_dir / PLACEMENT_JSON).write_text(json.dumps({"components": {}, "processes": [3]}))
+    report, _ = _verify(run_dir)
+    assert [e for e in report.errors if "placement.json cannot be read (TypeError" in e]
     # No record: the run never started its components (or the file is gone).
     (run_dir / PLACEMENT_JSON).unlink()
     report, _ = _verify(run_dir)
