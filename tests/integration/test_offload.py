@@ -140,7 +140,9 @@ def test_settle_heap_frees_tensors_held_by_cycles_and_later_collections_skip_the
         later = weakref.ref(_Cycle(torch.ones(4)).tensor)  # made after the freeze
         offload.collect_garbage()
         assert later() is None  # what is made after it is still collected
-        assert gc.get_freeze_count() == frozen  # a plain collection freezes nothing
+        # A plain collection freezes nothing. The count may fall: frozen objects are still
+        # freed by reference counting (a module's cached entry, a finished frame).
+        assert gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 
