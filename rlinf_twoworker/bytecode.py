@@ -16,17 +16,26 @@ processes or two runs sharing the cache never read a partial file. An entry Pyth
 read (a damaged file) fails the import; `guarded` then imports again without the cache and
 reports it. Where the environment has its bytecode, nothing changes.
 
+`bulk_imports` is the other half of an import's cost: Python's cyclic collector. Importing
+torch and transformers makes millions of objects, and the collector walks the growing heap
+again and again while they load (about an eighth of the import's CPU time on a CPU host); next
+to none of it is garbage. Inside `bulk_imports` the collector is off, and what the imports made
+is frozen after (`gc.freeze`), so later collections do not walk it either.
+
 No torch here: the processes call this before their first import of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import hashlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -158,3 +167,32 @@ def for_this_process() -> BytecodeCache:
     host and a preflight probe in one process share it, so either one's `guarded` knows the
     cache is in use."""
     return BytecodeCache()
+
+
+_bulk_lock = threading.Lock()
+_bulk_depth = 0
+_collector_was_on = True
+
+
+@contextlib.contextmanager
+def bulk_imports() -> Iterator[None]:
+    """The cyclic collector off while the block imports (a process's heavy modules), then
+    back as it was, and what the process holds then frozen (`gc.freeze`: later collections
+    skip it; reference counting still frees it). Blocks that overlap in threads of one
+    process (the collector is the process's) turn it back on when the last one ends. Call it
+    where what is alive will stay: a process's start-up, before its run's data exists."""
+    global _bulk_depth, _collector_was_on
+    with _bulk_lock:
+        if _bulk_depth == 0:
+            _collector_was_on = gc.isenabled()
+            gc.disable()
+        _bulk_depth += 1
+    try:
+        yield
+    finally:
+        with _bulk_lock:
+            _bulk_depth -= 1
+            if _bulk_depth == 0:
+                gc.freeze()
+                if _collector_was_on:
+                    gc.enable()

@@ -26,7 +26,7 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 
 from rlinf_twoworker import components
-from rlinf_twoworker.bytecode import for_this_process
+from rlinf_twoworker.bytecode import bulk_imports, for_this_process
 from rlinf_twoworker.config import GRPOConfig, to_typed
 from rlinf_twoworker.errors import PreflightError
 from rlinf_twoworker.storage.manifest import verify_input
@@ -85,12 +85,13 @@ _CORES_PER_IMPORT_PROCESS = 4
 def _import_here(names: list[str]) -> tuple[dict[str, str], list[tuple[str, str]]]:
     versions: dict[str, str] = {}
     failed: list[tuple[str, str]] = []
-    for name in names:
-        try:
-            module = importlib.import_module(name)
-            versions[name] = str(getattr(module, "__version__", "ok"))
-        except Exception as exc:  # any import failure is a finding, never a crash
-            failed.append((name, f"{type(exc).__name__}: {exc}"))
+    with bulk_imports():
+        for name in names:
+            try:
+                module = importlib.import_module(name)
+                versions[name] = str(getattr(module, "__version__", "ok"))
+            except Exception as exc:  # any import failure is a finding, never a crash
+                failed.append((name, f"{type(exc).__name__}: {exc}"))
     return versions, failed
 
 

@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlinf_twoworker import components
+from rlinf_twoworker import bytecode, components
 from rlinf_twoworker.cluster.connect import ray_name
 from rlinf_twoworker.cluster.memory_parts import model_shapes
 from rlinf_twoworker.cluster.memory_plan import (
@@ -81,8 +81,9 @@ TRAINING_MODULES = (
 def _import_training() -> float:
     """Import TRAINING_MODULES (in a thread: `_setup`); returns the seconds it took."""
     start = time.perf_counter()
-    for name in TRAINING_MODULES:
-        importlib.import_module(name)
+    with bytecode.bulk_imports():
+        for name in TRAINING_MODULES:
+            importlib.import_module(name)
     return time.perf_counter() - start
 
 

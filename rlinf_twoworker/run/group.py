@@ -98,9 +98,10 @@ class ComponentHost:
         cache = bytecode.for_this_process()
         # Where the environment keeps no bytecode, the compile cache keeps it (bytecode.py).
         cache.use(getattr(cfg, "compile_cache_root", None), who)
-        cls = cache.guarded(self._class, who)  # the worker's module: torch, the engines
-        ahead = getattr(cls, "preimport", None)
-        answer = cache.guarded(lambda: ahead(cfg, self.COMPONENT), who) if ahead else {}
+        with bytecode.bulk_imports():  # no cyclic collection while torch and the model import
+            cls = cache.guarded(self._class, who)  # the worker's module: torch, the engines
+            ahead = getattr(cls, "preimport", None)
+            answer = cache.guarded(lambda: ahead(cfg, self.COMPONENT), who) if ahead else {}
         return {**answer, "seconds": time.perf_counter() - start, "bytecode": cache.take()}
 
     def load(self, cfg: GRPOConfig | None = None) -> dict[str, Any]:

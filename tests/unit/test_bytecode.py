@@ -5,14 +5,16 @@ another run, and imports without it (reported) when an entry is damaged."""
 from __future__ import annotations
 
 import compileall
+import gc
 import json
 import os
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from rlinf_twoworker.bytecode import BytecodeCache, cache_dir, without_bytecode
+from rlinf_twoworker.bytecode import BytecodeCache, bulk_imports, cache_dir, without_bytecode
 
 MODULES = 40
 SCRIPT = r"""
@@ -172,3 +174,51 @@ def test_a_cache_others_can_write_is_not_used_and_said_once(tmp_path):
     assert done["values"] == [0, 1, 2] and done["prefix"] is None and done["lines"] == []
     assert len(done["warnings"]) == 1 and "writable by others" in done["warnings"][0]
     assert not list(root.rglob("*.pyc"))
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_bulk_imports_pause_the_collector_and_freeze_what_they_made():
+    try:
+        with bulk_imports():
+            assert not gc.isenabled()
+            made = _Cycle()  # what an import leaves: alive, and held by a cycle
+        assert gc.isenabled()
+        assert gc.get_freeze_count() > 0
+        assert not any(obj is made for obj in gc.get_objects())  # out of the collector's view
+        with bulk_imports():
+            pass
+        gc.disable()  # a caller that had the collector off keeps it off
+        with bulk_imports():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def test_overlapping_bulk_imports_in_threads_turn_the_collector_on_when_the_last_ends():
+    inside, leave = threading.Event(), threading.Event()
+
+    def importer() -> None:
+        with bulk_imports():
+            inside.set()
+            leave.wait(30)
+
+    thread = threading.Thread(target=importer)
+    try:
+        thread.start()
+        assert inside.wait(30)
+        with bulk_imports():
+            pass
+        assert not gc.isenabled()  # the thread's block still runs
+        leave.set()
+        thread.join(30)
+        assert gc.isenabled()
+    finally:
+        leave.set()
+        gc.enable()
+        gc.unfreeze()
