@@ -26,28 +26,31 @@ _began = time.time()
 # compiler the engines compile with, the actor's FSDP2 and DCP, the reward's grader.
 import importlib  # noqa: E402
 
-import torch  # noqa: E402
-import torch.distributed.checkpoint  # noqa: E402, F401
-import torch.distributed.fsdp  # noqa: E402, F401
-import transformers.modeling_utils  # noqa: E402, F401
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402, F401
+from rlinf_twoworker.bytecode import bulk_imports  # noqa: E402
 
-import rlinf_twoworker.run.controller  # noqa: E402, F401
-from rlinf_twoworker import components  # noqa: E402
+with bulk_imports():  # no cyclic collection while they import, then frozen (bytecode.py)
+    import torch
+    import torch.distributed.checkpoint
+    import torch.distributed.fsdp
+    import transformers.modeling_utils  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-for _component in components.TABLE:  # every worker module, as the table names them
-    importlib.import_module(_component.worker.partition(":")[0])
+    import rlinf_twoworker.run.controller  # noqa: F401
+    from rlinf_twoworker import components
 
-try:  # the compiler's stack (~2-3 s); a build without it compiles nothing anyway
-    import torch._dynamo  # noqa: F401
-    import torch._inductor.compile_fx  # noqa: F401
-except Exception:  # pragma: no cover - depends on the torch build
-    pass
+    for _component in components.TABLE:  # every worker module, as the table names them
+        importlib.import_module(_component.worker.partition(":")[0])
 
-try:
-    import math_verify  # noqa: F401
-except Exception:  # pragma: no cover - the reward names a missing grader itself
-    pass
+    try:  # the compiler's stack (~2-3 s); a build without it compiles nothing anyway
+        import torch._dynamo
+        import torch._inductor.compile_fx  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the torch build
+        pass
+
+    try:
+        import math_verify  # noqa: F401
+    except Exception:  # pragma: no cover - the reward names a missing grader itself
+        pass
 
 seconds = time.time() - _began
 
