@@ -14,7 +14,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("NCCL_IB_DISABLE", "1")
 
 import pytest  # noqa: E402
-from support import REFERENCE_SETTINGS, FinishedRun  # noqa: E402
+from support import NODE_CODE, REFERENCE_SETTINGS, FinishedRun  # noqa: E402
 
 from rlinf_twoworker.cluster.local import LocalCluster  # noqa: E402
 
@@ -22,10 +22,23 @@ from rlinf_twoworker.cluster.local import LocalCluster  # noqa: E402
 @pytest.fixture(scope="session")
 def cluster_2x2():
     """A LocalCluster(2, 2) shared by the session; this process is connected to it. Ray's
-    metrics are reported every 2 s, not 10 (test_ray_metrics waits for a few reports)."""
+    metrics are reported every 2 s, not 10 (test_ray_metrics waits for a few reports). Its
+    nodes start with NODE_CODE on their PYTHONPATH (this process's environment is restored
+    once they have started)."""
     system = {"metrics_report_interval_ms": 2000}
-    with LocalCluster(num_nodes=2, gpus_per_node=2, system_config=system) as cluster:
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(NODE_CODE), before) if p)
+    try:
+        cluster = LocalCluster(num_nodes=2, gpus_per_node=2, system_config=system).start()
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
+    try:
         yield cluster
+    finally:
+        cluster.shutdown()
 
 
 @pytest.fixture(scope="session")

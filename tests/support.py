@@ -5,6 +5,7 @@ pytest puts this folder on sys.path (pyproject's `pythonpath`): `from support im
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,18 @@ BENCHMARKS = REPO / "benchmarks"
 RLINF_REF = REPO.parent / "shared" / "rlinf_ref"
 """RLinf's reference data (the grader's verdicts, its YAML), beside the repository where the
 project's shared folder is; the tests that read it skip, saying why, where it is absent."""
+
+NODE_CODE = Path(tempfile.mkdtemp(prefix="rlinf-node-code-"))
+"""A directory on the PYTHONPATH the session's cluster nodes start with (conftest.py), empty
+then: a test writes a module there that a run's processes import by name, as on a platform
+whose nodes' environment holds the user's code (test_reward_fn)."""
+
+ONE_RANK = ["cluster.component_placement={rollout:0,reward:0,inference:1,actor:2}"]
+"""The tutorial's two nodes with one actor rank (the second node's second GPU idle), for runs
+whose subject is not the actor's ranks: the ranks' sharding, collectives and checkpoint shards
+are the subject of test_engine's end-to-end run and its other two-rank runs, test_resume, and
+test_reliability's killed-rank and mid-checkpoint tests. One process fewer makes a run about a
+fifth cheaper on a CPU host (benchmarks' run_cost)."""
 
 REFERENCE_SETTINGS = ["actor.optim.lr=1e-3", "rollout.validate_weight=true"]
 """The reference run's overrides of the demo: lr high enough that training moves the weights,

@@ -23,6 +23,7 @@ import pytest
 import ray
 from omegaconf import OmegaConf
 from ray.util.placement_group import placement_group
+from support import ONE_RANK
 
 from rlinf_twoworker import (
     ClusterError,
@@ -273,7 +274,7 @@ def test_no_reachable_ray_cluster_is_a_cluster_error(pristine, tmp_path):
 def test_missing_model_file_fails_preflight_naming_it(cluster_2x2, inputs, tmp_path):
     (inputs.model_path / "model.safetensors").unlink()
     before = listing(inputs.root)
-    error = run_error(demo_config(inputs, tmp_path / "out", "no-weights"))
+    error = run_error(demo_config(inputs, tmp_path / "out", "no-weights", ONE_RANK))
     assert isinstance(error, PreflightError)
     assert f"{inputs.model_path / 'model.safetensors'} (listed in" in str(error)
     assert "is missing or not a regular file" in str(error)
@@ -287,7 +288,7 @@ def test_missing_model_file_fails_preflight_naming_it(cluster_2x2, inputs, tmp_p
 def test_empty_data_file_fails_preflight_naming_it(cluster_2x2, inputs, tmp_path):
     inputs.data_path.write_bytes(b"")
     before = listing(inputs.root)
-    error = run_error(demo_config(inputs, tmp_path / "out", "empty-data"))
+    error = run_error(demo_config(inputs, tmp_path / "out", "empty-data", ONE_RANK))
     assert isinstance(error, PreflightError)
     assert f"{inputs.data_path} (listed in" in str(error) and "is empty (0 bytes)" in str(error)
     assert_failed_cleanly(tmp_path / "out" / "empty-data", inputs, before, error)
@@ -298,7 +299,7 @@ def test_unreadable_manifest_fails_preflight_naming_it(cluster_2x2, inputs, tmp_
     manifest = inputs.model_path / "SHA256SUMS"
     manifest.write_bytes(b"\xff\xfe\x00 not a manifest")
     before = listing(inputs.root)
-    error = run_error(demo_config(inputs, tmp_path / "out", "bad-manifest"))
+    error = run_error(demo_config(inputs, tmp_path / "out", "bad-manifest", ONE_RANK))
     assert isinstance(error, PreflightError)
     assert f"manifest {manifest} cannot be read" in str(error)
     assert_failed_cleanly(tmp_path / "out" / "bad-manifest", inputs, before, error)
@@ -308,7 +309,7 @@ def test_file_differing_from_its_manifest_fails_preflight_naming_it(cluster_2x2,
     config = inputs.model_path / "config.json"
     config.write_text(config.read_text() + " ")
     before = listing(inputs.root)
-    error = run_error(demo_config(inputs, tmp_path / "out", "changed-model"))
+    error = run_error(demo_config(inputs, tmp_path / "out", "changed-model", ONE_RANK))
     assert isinstance(error, PreflightError)
     assert f"{config} (listed in" in str(error) and "but the manifest says" in str(error)
     assert str(error).count(f"{config} (listed in") == 2  # each node reports it
@@ -325,7 +326,7 @@ def write_with_bad_line(inputs, line_number: int) -> None:
 def test_malformed_data_line_fails_the_run_naming_file_and_line(cluster_2x2, inputs, tmp_path):
     write_with_bad_line(inputs, 5)
     before = listing(inputs.root)
-    error = run_error(demo_config(inputs, tmp_path / "out", "bad-line"))
+    error = run_error(demo_config(inputs, tmp_path / "out", "bad-line", ONE_RANK))
     assert isinstance(error, DataError)
     assert f"malformed line {inputs.data_path}:5: invalid JSON" in str(error)
     assert "data.skip_malformed_lines=true" in str(error)
@@ -349,7 +350,7 @@ def test_model_that_is_not_a_causal_lm_fails_in_preflight_naming_the_model(
     config.write_text(json.dumps({**fields, "architectures": ["BertModel"]}))
     write_manifest(inputs.model_path)
     before = listing(inputs.root)
-    error = run_error(demo_config(inputs, tmp_path / "out", "not-causal"))
+    error = run_error(demo_config(inputs, tmp_path / "out", "not-causal", ONE_RANK))
     # Caught by every node's probe, before any component loads a model.
     assert isinstance(error, PreflightError), error
     assert f"model {inputs.model_path}: architectures ['BertModel'] is not a causal LM" in str(
@@ -371,7 +372,8 @@ root = Path(sys.argv[1])
 with LocalCluster(num_nodes=2, gpus_per_node=2, cpu_head=True):
     here = ray.get_runtime_context().get_node_id()
     [own] = [n for n in ray.nodes() if n["NodeID"] == here]
-    handle = run_grpo_two_worker(demo_config(make_inputs(root / "inputs"), root, "cpu-head"))
+    cfg = demo_config(make_inputs(root / "inputs"), root, "cpu-head", sys.argv[2:])
+    handle = run_grpo_two_worker(cfg)
     report = handle.result(timeout=300)
     placed = {row["component"]: row["node_id"] for row in handle.topology()}
     print(json.dumps({"passed": report.passed, "errors": report.errors, "here": here,
@@ -383,7 +385,7 @@ with LocalCluster(num_nodes=2, gpus_per_node=2, cpu_head=True):
 def test_a_driver_on_a_head_without_gpus_runs_with_bundle_0_on_a_gpu_node(tmp_path, own_process):
     """A Head of CPUs only (KubeRay, hosted Ray): the controller runs with the Driver, bundle 0
     (rollout, reward, inference) on the first GPU node Ray finds, named in the log."""
-    result = own_process(CPU_HEAD_RUN, str(tmp_path), timeout=600)
+    result = own_process(CPU_HEAD_RUN, str(tmp_path), *ONE_RANK, timeout=600)
     assert result["passed"], result["errors"]
     assert result["driver_gpus"] == 0
     placed, here = result["placed"], result["here"]

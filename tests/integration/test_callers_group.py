@@ -8,6 +8,7 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from support import ONE_RANK
 
 from rlinf_twoworker import run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config
@@ -44,7 +45,9 @@ def test_a_run_in_the_callers_group_leaves_the_group_to_the_caller(cluster_2x2, 
     other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
     pg = _group(first=other)
     try:
-        handle = run_grpo_two_worker(demo_config(inputs, tmp_path, "callers"), placement_group=pg)
+        handle = run_grpo_two_worker(
+            demo_config(inputs, tmp_path, "callers", ONE_RANK), placement_group=pg
+        )
         report = handle.result(timeout=TIMEOUT)
         assert report.passed, report.errors
         assert handle.placement_group.id == pg.id
@@ -73,7 +76,7 @@ def test_a_run_in_the_callers_group_leaves_the_group_to_the_caller(cluster_2x2, 
 
 def test_current_takes_the_group_the_calling_task_runs_in(cluster_2x2, inputs, tmp_path):
     pg = _group()
-    cfg = demo_config(inputs, tmp_path, "current")
+    cfg = demo_config(inputs, tmp_path, "current", ONE_RANK)
 
     @ray.remote(num_cpus=0)
     def trial(cfg) -> tuple[bool, list, str]:

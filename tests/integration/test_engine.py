@@ -13,6 +13,7 @@ import pytest
 import ray
 import torch
 from safetensors.torch import load_file
+from support import ONE_RANK
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rlinf_twoworker import RunCancelledError, TwoWorkerError, run_grpo_two_worker
@@ -229,7 +230,7 @@ def test_two_step_run_end_to_end(reference_run, inputs, tmp_path):
 
 def test_cancel_makes_pending_futures_raise_and_frees_the_cluster(cluster_2x2, inputs, tmp_path):
     cfg = demo_config(
-        inputs, tmp_path, "cancelled", ["runner.max_steps=50", "runner.save_interval=20"]
+        inputs, tmp_path, "cancelled", [*ONE_RANK, "runner.max_steps=50", "runner.save_interval=20"]
     )
     handle = run_grpo_two_worker(cfg)
     # An unscheduled checkpoint or a step outside the run raises at once; the last step is
@@ -251,9 +252,9 @@ def test_cancel_makes_pending_futures_raise_and_frees_the_cluster(cluster_2x2, i
     phases = {"connect", "placement", "component_start", "preflight", "data", "components"}
     phases |= {"process_groups", "controller_imports"}
     phases |= {"actor_build", "weight_sync", "ready", "first_step", "to_first_step"}
-    phases |= {f"load/{c}:{r}" for c, r in [("rollout", 0), ("inference", 0), ("actor", 1)]}
+    phases |= {f"load/{c}:{r}" for c, r in [("rollout", 0), ("inference", 0), ("actor", 0)]}
     phases |= {"grader_start/reward:0", "preflight/node0/manifests", "preflight/collective"}
-    processes = ["rollout:0", "reward:0", "inference:0", "actor:0", "actor:1"]
+    processes = ["rollout:0", "reward:0", "inference:0", "actor:0"]  # one rank: ONE_RANK
     phases |= {f"{part}/{who}" for part in ("spawn", "init") for who in processes}
     phases |= {f"import_ahead/{who}" for who in processes if who != "reward:0"}  # models' only
     assert phases <= set(first.startup), first.startup
@@ -270,7 +271,7 @@ def test_cancel_makes_pending_futures_raise_and_frees_the_cluster(cluster_2x2, i
         assert sum(parts) == pytest.approx(seen[f"spawn/{who}"], abs=0.01), (who, parts)
         assert seen[f"imports/{who}"] > 0, who  # its worker module's imports
     assert first.startup["tokenizer/rollout:0"] > 0 and "engine/rollout:0" in first.startup
-    for who in ["rollout:0", "inference:0", "actor:1"]:
+    for who in ["rollout:0", "inference:0", "actor:0"]:
         assert first.startup[f"load/{who}"] <= first.startup[f"init/{who}"], who
     assert first.startup["to_first_step"] >= first.startup["ready"] >= first.startup["components"]
     assert phases <= set(handle.startup()) and "startup" not in status
@@ -330,7 +331,7 @@ class CorruptingRollout(RolloutWorker):
 def test_broken_weight_sync_fails_the_run_naming_the_rollout(cluster_2x2, inputs, tmp_path):
     from rlinf_twoworker import ComponentError
 
-    cfg = demo_config(inputs, tmp_path, "badsync", ["rollout.validate_weight=true"])
+    cfg = demo_config(inputs, tmp_path, "badsync", [*ONE_RANK, "rollout.validate_weight=true"])
     handle = run_grpo_two_worker(cfg, component_classes={"rollout": CorruptingRollout})
     with pytest.raises(ComponentError, match="rollout rank 0 .*weights differ"):
         handle.result(timeout=TIMEOUT)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import ray
+from support import ONE_RANK
 
 from rlinf_twoworker import ComponentError, run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config
@@ -171,7 +172,9 @@ def test_grading_processes_die_with_their_parent_killed_mid_grading():
 def test_grading_processes_die_with_a_killed_reward_actor(cluster_2x2, inputs, tmp_path):
     """SIGKILL of the reward actor while its grading processes grade: none outlives it, and
     the run fails naming the reward."""
-    cfg = demo_config(inputs, tmp_path, "orphans", ["runner.timeouts.failure_detection_s=30"])
+    cfg = demo_config(
+        inputs, tmp_path, "orphans", [*ONE_RANK, "runner.timeouts.failure_detection_s=30"]
+    )
     handle = run_grpo_two_worker(cfg, component_classes={"reward": HangingReward})
     wait_until(lambda: components_ready(handle), TIMEOUT, "the components")
     victim = row(handle, "reward", 0)
@@ -199,7 +202,12 @@ def test_a_stalled_log_write_blocks_neither_status_nor_failure_detection(
         inputs,
         tmp_path,
         run_id,
-        ["runner.max_steps=4", "runner.save_interval=-1", "runner.timeouts.failure_detection_s=30"],
+        [
+            *ONE_RANK,
+            "runner.max_steps=4",
+            "runner.save_interval=-1",
+            "runner.timeouts.failure_detection_s=30",
+        ],
     )
     handle = run_grpo_two_worker(cfg)
     ray.get(handle.step(1), timeout=TIMEOUT)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from support import tiny_lm
+from support import ONE_RANK, tiny_lm
 
 from rlinf_twoworker import run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config, make_inputs
@@ -212,7 +212,7 @@ def test_a_run_whose_plan_does_not_fit_fails_before_any_model_loads(cluster_2x2,
     """The components' processes start beside the preflight; a plan that does not fit stops
     the run before any of them loads its model, and they are gone when the run's error is."""
     inputs = make_inputs(tmp_path / "inputs")
-    cfg = demo_config(inputs, tmp_path, "too-big", ["cluster.max_gpu_memory_gb=0.0001"])
+    cfg = demo_config(inputs, tmp_path, "too-big", [*ONE_RANK, "cluster.max_gpu_memory_gb=0.0001"])
     handle = run_grpo_two_worker(cfg)
     with pytest.raises(TwoWorkerError) as refused:
         handle.result(timeout=300)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from support import ONE_RANK
 
 from rlinf_twoworker import run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config
@@ -65,7 +66,9 @@ def test_wandb_offline_and_mlflow_hold_every_steps_metrics(
         "runner.logger.logger_backends=[tensorboard,wandb,mlflow]",
         "runner.logger.project_name=loggers-test",
     ]
-    handle = run_grpo_two_worker(demo_config(finished_inputs, tmp_path, "logged", overrides))
+    handle = run_grpo_two_worker(
+        demo_config(finished_inputs, tmp_path, "logged", [*ONE_RANK, *overrides])
+    )
     steps = [ray.get(handle.step(n), timeout=300) for n in (1, 2)]
     report = handle.result(timeout=300)
     assert report.passed, report.errors

@@ -11,6 +11,7 @@ import urllib.request
 from collections.abc import Callable
 
 import ray
+from support import ONE_RANK
 
 from rlinf_twoworker import run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config, make_inputs
@@ -63,7 +64,9 @@ def wait_for(
 def test_a_steps_reward_and_the_runs_state_reach_rays_metrics_endpoint(cluster_2x2, tmp_path):
     run_id = "ray-metrics"
     inputs = make_inputs(tmp_path / "inputs")
-    cfg = demo_config(inputs, tmp_path, run_id, ["runner.max_steps=1", "runner.save_interval=-1"])
+    cfg = demo_config(
+        inputs, tmp_path, run_id, [*ONE_RANK, "runner.max_steps=1", "runner.save_interval=-1"]
+    )
     # The session's cluster reports every 2 s (conftest.py; Ray's default is 10 s): a value
     # shows within two report intervals.
     interval_s = max(ray._config.metrics_report_interval_ms(), 1000) / 1000

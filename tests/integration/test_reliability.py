@@ -23,6 +23,7 @@ import pytest
 import ray
 from omegaconf import OmegaConf
 from ray.util.placement_group import placement_group, placement_group_table
+from support import ONE_RANK
 
 import rlinf_twoworker
 from rlinf_twoworker import ComponentError, RunCancelledError, run_grpo_two_worker
@@ -49,7 +50,7 @@ os.environ.setdefault(SECRET_NAME, SECRET)
 ONE_NODE = [
     "cluster.num_nodes=1",
     "cluster.num_gpus_per_node=2",
-    "cluster.component_placement={rollout:0,inference:0,reward:0,actor:'0-1'}",
+    "cluster.component_placement={rollout:0,inference:0,reward:0,actor:0}",  # one rank
 ]
 
 
@@ -267,10 +268,13 @@ def test_watchdog_fails_the_run_when_a_component_dies_with_no_call_in_flight(
     reward is in flight, and without the watchdog the run would wait for step_s (an hour)."""
     run_id = "kill-reward"
     cfg = demo_config(
-        inputs, tmp_path, run_id, ["runner.max_steps=3", "runner.timeouts.failure_detection_s=20"]
+        inputs,
+        tmp_path,
+        run_id,
+        [*ONE_RANK, "runner.max_steps=3", "runner.timeouts.failure_detection_s=20"],
     )
     handle = run_grpo_two_worker(cfg, component_classes={"actor": StallingActor})
-    wait_markers(handle, marker(run_id, "actor0.stalled"), marker(run_id, "actor1.stalled"))
+    wait_markers(handle, marker(run_id, "actor0.stalled"))
     victim = row(handle, "reward", 0)
 
     killed_at = time.monotonic()
@@ -293,7 +297,9 @@ def test_controller_dying_fails_the_run_and_the_handle_releases_its_group(
     """The controller process killed: its components die with it (owned by it), its futures
     raise, and handle.result() names it, removes the placement group and records the failure."""
     run_id = "kill-controller"
-    cfg = demo_config(inputs, tmp_path, run_id, ["runner.max_steps=50", "runner.save_interval=50"])
+    cfg = demo_config(
+        inputs, tmp_path, run_id, [*ONE_RANK, "runner.max_steps=50", "runner.save_interval=50"]
+    )
     handle = run_grpo_two_worker(cfg)
     ray.get(handle.step(1), timeout=TIMEOUT)
     pending = handle.step(50)
@@ -368,7 +374,7 @@ def test_a_full_storage_is_named_and_the_incomplete_checkpoint_removed(
     cluster_2x2, inputs, tmp_path, small_storage
 ):
     run_id = "full"
-    cfg = demo_config(inputs, small_storage, run_id, ["runner.max_steps=1"])
+    cfg = demo_config(inputs, small_storage, run_id, [*ONE_RANK, "runner.max_steps=1"])
     handle = run_grpo_two_worker(cfg)
     with pytest.raises(ComponentError) as failed:
         handle.result(timeout=TIMEOUT)
@@ -502,7 +508,9 @@ os._exit(7)  # the Driver dies without cancelling anything
 def test_driver_exiting_abruptly_kills_the_run_and_frees_the_cluster(cluster_2x2, inputs, tmp_path):
     run_id = "driver-exit"
     out = tmp_path / "out"
-    cfg = demo_config(inputs, out, run_id, ["runner.max_steps=50", "runner.save_interval=50"])
+    cfg = demo_config(
+        inputs, out, run_id, [*ONE_RANK, "runner.max_steps=50", "runner.save_interval=50"]
+    )
     path = save_config(cfg, tmp_path / "config.yaml")
     done = subprocess.run(
         [sys.executable, "-c", DRIVER, str(path), cluster_2x2.address],
@@ -524,7 +532,9 @@ def test_ctrl_c_on_the_cli_driver_cancels_the_run_and_frees_the_cluster(
 ):
     run_id = "ctrl-c"
     out = tmp_path / "out"
-    cfg = demo_config(inputs, out, run_id, ["runner.max_steps=50", "runner.save_interval=50"])
+    cfg = demo_config(
+        inputs, out, run_id, [*ONE_RANK, "runner.max_steps=50", "runner.save_interval=50"]
+    )
     path = save_config(cfg, tmp_path / "config.yaml")
     env = {k: v for k, v in os.environ.items() if k not in ("WORK_ROOT", "TARGET_STEPS")}
     env["RUN_ID"] = run_id  # the Driver command's interface (the config names the same run)
@@ -565,8 +575,10 @@ def test_ctrl_c_on_the_cli_driver_cancels_the_run_and_frees_the_cluster(
 def test_two_runs_side_by_side_do_not_interfere(cluster_2x2, inputs, tmp_path):
     """Run A (Driver on the head) is cancelled while run B (Driver on the worker node) is held
     at its third step; B then finishes and verifies. Each has its own one-node group."""
-    placement = {"rollout": 0, "inference": 0, "reward": 0, "actor": "0-1"}
-    cfg_a = demo_config(inputs, tmp_path, "side-a", [*ONE_NODE, "runner.max_steps=30"])
+    placement = {"rollout": 0, "inference": 0, "reward": 0, "actor": 0}
+    cfg_a = demo_config(
+        inputs, tmp_path, "side-a", [*ONE_NODE, "runner.max_steps=500", "runner.save_interval=500"]
+    )
     cfg_b = demo_config(
         inputs, tmp_path, "side-b", [*ONE_NODE, "runner.max_steps=4", "runner.save_interval=4"]
     )
@@ -680,7 +692,7 @@ def test_status_and_cancel_answer_at_once_during_a_slow_preflight(cluster_2x2, i
     creates those processes and the probes and starts importing torch in a thread, which on
     a loaded 2-core host held its event loop for 1-3 s (work, not a wait; measured in
     session 17)."""
-    cfg = demo_config(inputs, tmp_path, "slow-preflight", [])
+    cfg = demo_config(inputs, tmp_path, "slow-preflight", ONE_RANK)
     handle = run_grpo_two_worker(cfg, component_classes={"probe": SlowProbe})
     wait_until(lambda: "component_start" in handle.startup(), 60, "component start")
     _answers_fast(handle, "preflight")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import EXAMPLES
+from support import EXAMPLES, NODE_CODE
 
 from rlinf_twoworker.api.request import RequestError, input_problems, resolve_request
 from rlinf_twoworker.config import load_config, to_typed
@@ -250,51 +250,55 @@ def parity(prompt, answer, row):
     return value
 '''
 
-RUN = r"""
-import json, sys
-from pathlib import Path
 
-import ray
+def _parity_inputs(root: Path, log: Path) -> Any:
+    """The demo's model with a task that is no math: answer with a given parity of length."""
+    from rlinf_twoworker.api.demo import ASSISTANT, DATA_NAME, USER, make_inputs
+    from rlinf_twoworker.storage.manifest import write_manifest
 
-from rlinf_twoworker import run_grpo_two_worker
-from rlinf_twoworker.api.demo import DATA_NAME, USER, ASSISTANT, demo_config, make_inputs
-from rlinf_twoworker.api.request import check_inputs
-from rlinf_twoworker.cluster.local import LocalCluster
-from rlinf_twoworker.config import to_typed
-from rlinf_twoworker.storage.manifest import write_manifest
-
-root, log = Path(sys.argv[1]), sys.argv[2]
-inputs = make_inputs(root / "inputs", num_samples=16)
-with open(inputs.data_path, "w") as fh:  # a task that is no math: answer with a parity
-    for i in range(16):
-        parity = "even" if i % 2 else "odd"
-        prompt = f"{USER}Answer with {parity} many characters.{ASSISTANT}"
-        record = {"prompt": prompt, "solutions": ["-"], "query_id": f"q{i}",
-                  "parity": parity, "log": log}
-        fh.write(json.dumps(record) + "\n")
-write_manifest(inputs.data_path.parent, [DATA_NAME])
-cfg = demo_config(inputs, root / "runs", "reward-fn", ["reward.reward_fn=parity_reward:parity",
-                                                      "runner.save_interval=-1"])
-check_inputs(to_typed(cfg))  # the request check imports the function here too
-with LocalCluster(num_nodes=2, gpus_per_node=2):
-    handle = run_grpo_two_worker(cfg)
-    report = handle.result(timeout=600)
-    steps = [ray.get(handle.step(n), timeout=60).metrics for n in (1, 2)]
-print(json.dumps({"passed": report.passed, "errors": report.errors, "steps": steps}))
-"""
+    inputs = make_inputs(root / "inputs", num_samples=16)
+    with open(inputs.data_path, "w") as fh:
+        for i in range(16):
+            parity = "even" if i % 2 else "odd"
+            prompt = f"{USER}Answer with {parity} many characters.{ASSISTANT}"
+            record = {
+                "prompt": prompt,
+                "solutions": ["-"],
+                "query_id": f"q{i}",
+                "parity": parity,
+                "log": str(log),
+            }
+            fh.write(json.dumps(record) + "\n")
+    write_manifest(inputs.data_path.parent, [DATA_NAME])
+    return inputs
 
 
 def test_a_run_rewards_with_the_function_and_its_values_reach_the_step_metrics(
-    own_process, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cluster_2x2, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     """A non-math task on a real 2 x 2 cluster: the function's module is importable only
-    through PYTHONPATH in the environment the cluster's nodes start with, as on a platform."""
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "parity_reward.py").write_text(REWARD_MODULE)
+    through PYTHONPATH in the environment the cluster's nodes started with (NODE_CODE), as on
+    a platform; this process finds it on its sys.path (the request check imports it too)."""
+    import ray
+
+    from rlinf_twoworker import run_grpo_two_worker
+    from rlinf_twoworker.api.demo import demo_config
+    from rlinf_twoworker.api.request import check_inputs
+
+    module = NODE_CODE / "parity_reward.py"
+    module.write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(NODE_CODE))
     log = tmp_path / "calls.jsonl"
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")]))
-    result = own_process(RUN, str(tmp_path), str(log), timeout=600)
+    overrides = ["reward.reward_fn=parity_reward:parity", "runner.save_interval=-1"]
+    cfg = demo_config(_parity_inputs(tmp_path, log), tmp_path / "runs", "reward-fn", overrides)
+    try:
+        check_inputs(to_typed(cfg))
+        handle = run_grpo_two_worker(cfg)
+        report = handle.result(timeout=600)
+        steps = [ray.get(handle.step(n), timeout=60).metrics for n in (1, 2)]
+    finally:
+        module.unlink()
+    result = {"passed": report.passed, "errors": report.errors, "steps": steps}
     assert result["passed"], result["errors"]
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(calls) == 2 * 16  # 8 prompts x 2 answers a step, no other call (the warm-up)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from support import ONE_RANK
 
 from rlinf_twoworker import TwoWorkerError, run_grpo_two_worker
 from rlinf_twoworker.api.cli import main
@@ -40,7 +41,7 @@ TIMEOUT = 300
 ONE_NODE = [
     "cluster.num_nodes=1",
     "cluster.num_gpus_per_node=2",
-    "cluster.component_placement={rollout:0,inference:0,reward:0,actor:'0-1'}",
+    "cluster.component_placement={rollout:0,inference:0,reward:0,actor:0}",  # one rank
 ]
 
 
@@ -74,7 +75,7 @@ def test_two_runs_with_one_run_id_under_two_roots_at_once_both_pass(cluster_2x2,
         for root in roots:
             controller = ray_name(root / "twin", "controller", 0)
             assert controller.startswith("twin-") and controller in names, names
-            assert ray_name(root / "twin", "actor", 1) in names, names
+            assert ray_name(root / "twin", "actor", 0) in names, names
         groups = {g["name"] for g in ray.util.placement_group_table().values()}
         assert {ray_name(root / "twin", "pg") for root in roots} <= groups
         for handle in (handle_a, handle_b):
@@ -104,7 +105,9 @@ def test_a_failure_after_the_run_directory_exists_leaves_failure_json_and_reclai
     for run in (ended, live):
         staging_checkpoint_dir(run, 3).mkdir(parents=True)
     (ended / "failure.json").write_text('{"state": "failed"}')
-    cfg = demo_config(inputs, tmp_path, "no-start", ["runner.timeouts.actor_start_s=0.001"])
+    cfg = demo_config(
+        inputs, tmp_path, "no-start", [*ONE_RANK, "runner.timeouts.actor_start_s=0.001"]
+    )
     with pytest.raises(TwoWorkerError, match="run controller did not start"):
         run_grpo_two_worker(cfg)
     run_dir = tmp_path / "no-start"
@@ -213,7 +216,7 @@ class ExportBreakingActor(ActorWorker):
 def test_a_failed_full_weights_export_does_not_fail_a_complete_step(cluster_2x2, tmp_path):
     inputs = make_inputs(tmp_path / "inputs")  # its own: the test hides a file of its model
     hidden = Path(inputs.model_path) / "config.json.hidden"
-    overrides = ["runner.save_interval=1", "runner.save_full_weights=true"]
+    overrides = [*ONE_RANK, "runner.save_interval=1", "runner.save_full_weights=true"]
     cfg = demo_config(inputs, tmp_path, "export-fails", overrides)
     handle = run_grpo_two_worker(cfg, component_classes={"actor": ExportBreakingActor})
     try:
