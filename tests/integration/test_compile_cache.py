@@ -163,15 +163,21 @@ def test_a_corrupt_entry_is_reported_moved_aside_and_replaced(tiny_model, cold, 
     assert broken["misses"] > 0 and broken["saved"] == "saved"  # compiled afresh, replaced
     assert entry.with_name("inference.bin.corrupt").exists()
     assert broken["checksum"] == pytest.approx(first["checksum"], rel=1e-6)
-    # A payload torch cannot load (right header and checksum, wrong content) falls back too.
+    assert _run(tiny_model, root, tmp_path / "inductor-d")["loaded"] == "warm"  # the new entry
+    # A payload torch cannot load (right header and checksum, wrong content) is found corrupt
+    # and moved aside on load too (what follows is the compilation above).
     payload = b"not torch artifacts"
     import hashlib
 
+    entry.with_name("inference.bin.corrupt").unlink()  # the truncated one, looked at above
     entry.write_bytes(MAGIC + hashlib.sha256(payload).digest() + payload)
-    alien = _run(tiny_model, root, tmp_path / "inductor-c")
-    assert alien["loaded"] == "corrupt" and "torch could not load it" in alien["loaded_detail"]
-    assert alien["saved"] == "saved"
-    assert _run(tiny_model, root, tmp_path / "inductor-d")["loaded"] == "warm"
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    alien = compile_cache.for_model(root, "inference", model, CPU).load()  # here: no compiling
+    assert alien.state == "corrupt" and "torch could not load it" in alien.detail
+    assert entry.with_name("inference.bin.corrupt").read_bytes().endswith(payload)
+    assert not entry.exists()
 
 
 def test_compiled_layers_are_one_graph(tiny_model):

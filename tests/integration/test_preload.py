@@ -7,11 +7,28 @@ import subprocess
 import sys
 import textwrap
 
-# Runs in a process of its own: this test session's process is connected to its own cluster.
-SCRIPT = textwrap.dedent(
+
+def test_preload_imports_cleanly_without_touching_cuda():
+    code = (
+        "import rlinf_twoworker.preload as p, torch, sys; "
+        "assert p.cuda_untouched(); "
+        "assert 'rlinf_twoworker.workers.actor' in sys.modules; "
+        "assert 'transformers.modeling_utils' in sys.modules; print('ok')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+# The whole tutorial job (demo size) on a 2-node cluster whose workers preload the library,
+# then a GPU actor on each node, in the workers Ray started since. In a process of its own: this
+# test session's process is connected to its own cluster.
+RUN_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time
+    from pathlib import Path
     import ray
+    from rlinf_twoworker.api.demo import demo_config, make_inputs
+    from rlinf_twoworker.api.handle import run_grpo_two_worker
     from rlinf_twoworker.cluster.local import LocalCluster
 
     @ray.remote(num_gpus=1, num_cpus=0)
@@ -26,53 +43,12 @@ SCRIPT = textwrap.dedent(
             return {
                 "node": ray.get_runtime_context().get_node_id(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "cuda_untouched": preload.cuda_untouched(),
                 "preloaded_before_work": preload._began < self.constructed,
                 "transformers_loaded": "transformers.modeling_utils" in sys.modules,
                 "process_times_preloaded": process_times(time.time())["preloaded"],
             }
-
-    with LocalCluster(num_nodes=2, gpus_per_node=1, cpus_per_node=1, preload=True):
-        probes = [
-            Probe.options(resources={f"local_node_{i}": 0.01}).remote() for i in range(2)
-        ]
-        print(json.dumps(ray.get([p.report.remote() for p in probes], timeout=300)))
-    """
-)
-
-
-def test_idle_workers_of_every_node_preload_the_library_and_leave_cuda_alone(own_process):
-    reports = own_process(SCRIPT, timeout=600)
-    assert len({r["node"] for r in reports}) == 2  # one on each node
-    for report in reports:
-        # Ray's workers import it when they start (those it starts ahead of a job, on every
-        # node here, while they idle; when they start is Ray's) before taking any work.
-        assert report["preloaded_before_work"], report
-        assert report["transformers_loaded"] and report["process_times_preloaded"], report
-        assert report["cuda_untouched"], report
-        assert report["cuda_visible_devices"] == "0", report  # Ray's GPU for the actor
-
-
-def test_preload_imports_cleanly_without_touching_cuda():
-    code = (
-        "import rlinf_twoworker.preload as p, torch, sys; "
-        "assert p.cuda_untouched(); "
-        "assert 'rlinf_twoworker.workers.actor' in sys.modules; "
-        "assert 'transformers.modeling_utils' in sys.modules; print('ok')"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
-
-
-# The whole tutorial job (demo size) on a 2-node cluster whose workers preload the library.
-RUN_SCRIPT = textwrap.dedent(
-    """
-    import json, sys, time
-    from pathlib import Path
-    import ray
-    from rlinf_twoworker.api.demo import demo_config, make_inputs
-    from rlinf_twoworker.api.handle import run_grpo_two_worker
-    from rlinf_twoworker.cluster.local import LocalCluster
 
     root = Path(sys.argv[1])
     inputs = make_inputs(root / "inputs")
@@ -82,15 +58,22 @@ RUN_SCRIPT = textwrap.dedent(
         first = ray.get(handle.step(1), timeout=600)
         ray.get(handle.checkpoint(2), timeout=600)
         report = handle.result(timeout=600)
+        probes = [
+            Probe.options(resources={f"local_node_{i}": 0.01}).remote() for i in range(2)
+        ]
+        probed = ray.get([p.report.remote() for p in probes], timeout=300)
     print(json.dumps({"passed": report.passed, "errors": report.errors[:3],
-                      "startup": first.startup}))
+                      "startup": first.startup, "probes": probed}))
     """
 )
 
 
-def test_the_tutorial_job_runs_in_preloaded_workers(tmp_path, own_process):
+def test_the_tutorial_job_and_later_gpu_actors_run_in_preloaded_workers(tmp_path, own_process):
     """Every component, the controller and the probes run in workers that imported the
-    library ahead (or on their start); the run verifies and main.log names them."""
+    library ahead (or on their start); the run verifies and main.log names them. Ray's workers
+    import it when they start (those it starts ahead of a job, on every node, while they idle;
+    when they start is Ray's) before taking any work, and leave CUDA untouched: a GPU actor
+    started after the run, on each node, sees only the GPU Ray gave it."""
     out = own_process(RUN_SCRIPT, str(tmp_path), timeout=1200)
     assert out["passed"], out["errors"]
     log = (tmp_path / "runs" / "preloaded" / "log" / "main.log").read_text()
@@ -98,3 +81,11 @@ def test_the_tutorial_job_runs_in_preloaded_workers(tmp_path, own_process):
     for who in ("rollout:0", "reward:0", "inference:0", "actor:0", "actor:1"):
         assert who in line, line
     assert "of 5 components" in line
+    reports = out["probes"]
+    assert len({r["node"] for r in reports}) == 2  # one on each node
+    for report in reports:
+        assert report["preloaded_before_work"], report
+        assert report["transformers_loaded"] and report["process_times_preloaded"], report
+        assert report["cuda_untouched"], report
+        assert len(report["gpu_ids"]) == 1, report
+        assert report["cuda_visible_devices"] == report["gpu_ids"][0], report  # Ray's GPU
