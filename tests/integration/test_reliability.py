@@ -105,13 +105,13 @@ class CrashInCheckpoint(ActorWorker):
 
 
 class OutOfMemoryActor(ActorWorker):
-    """Actor rank 1 asks the allocator for more memory than the machine has in the second
-    step's update (a real allocation failure, as when another process took the GPU's memory).
-    Counted in minibatches: a pipelined step calls train_step once a minibatch."""
+    """The actor (one rank) asks the allocator for more memory than the machine has in the
+    second step's update (a real allocation failure, as when another process took the GPU's
+    memory). Counted in minibatches: a pipelined step calls train_step once a minibatch."""
 
     def train_step(self, shards):
         self.minibatches = getattr(self, "minibatches", 0) + len(shards)
-        if self.minibatches > self.cfg.algorithm.n_minibatches and self.rank == 1:
+        if self.minibatches > self.cfg.algorithm.n_minibatches:
             import torch
 
             torch.empty(2**48, dtype=torch.uint8)
@@ -392,22 +392,24 @@ def test_out_of_memory_names_the_step_and_the_plans_estimate_and_keeps_checkpoin
     cluster_2x2, inputs, tmp_path
 ):
     run_id = "oom"
-    cfg = demo_config(inputs, tmp_path, run_id, ["runner.max_steps=3", "runner.save_interval=1"])
+    cfg = demo_config(
+        inputs, tmp_path, run_id, [*ONE_RANK, "runner.max_steps=3", "runner.save_interval=1"]
+    )
     handle = run_grpo_two_worker(cfg, component_classes={"actor": OutOfMemoryActor})
     first = ray.get(handle.checkpoint(1), timeout=TIMEOUT)
     before = digests(Path(first.directory))
     with pytest.raises(ComponentError) as failed:
         handle.result(timeout=TIMEOUT)
     error = failed.value
-    assert (error.component, error.rank) == ("actor", 1), error
+    assert (error.component, error.rank) == ("actor", 0), error
     assert error.node and "step 2 actor update" in error.cause
-    assert "out of memory at step 2: the memory plan estimated actor:1" in error.cause
+    assert "out of memory at step 2: the memory plan estimated actor:0" in error.cause
     assert "optimizer" in error.cause and "runner.resume_dir=auto" in error.cause
     checkpoints = tmp_path / run_id / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["global_step_1"]
     assert digests(Path(first.directory)) == before
     failure = json.loads((tmp_path / run_id / "failure.json").read_text())
-    assert "the memory plan estimated actor:1" in json.dumps(failure)
+    assert "the memory plan estimated actor:0" in json.dumps(failure)
     assert_released(run_id)
 
 
