@@ -26,8 +26,8 @@ ONE_RANK = ["cluster.component_placement={rollout:0,reward:0,inference:1,actor:2
 """The tutorial's two nodes with one actor rank (the second node's second GPU idle), for runs
 whose subject is not the actor's ranks: the ranks' sharding, collectives and checkpoint shards
 are the subject of test_engine's end-to-end run and its other two-rank runs, test_resume, and
-test_reliability's killed-rank, keep-last, mid-checkpoint and removed-node tests. One process fewer makes a run about a
-fifth cheaper on a CPU host (benchmarks' run_cost)."""
+test_reliability's killed-rank, keep-last, mid-checkpoint and removed-node tests. One process
+fewer makes a run about a fifth cheaper on a CPU host (benchmarks' run_cost)."""
 
 REFERENCE_SETTINGS = ["actor.optim.lr=1e-3", "rollout.validate_weight=true"]
 """The reference run's overrides of the demo: lr high enough that training moves the weights,
