@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from support import ONE_RANK
 
 from rlinf_twoworker.api.demo import demo_config, make_inputs
 from rlinf_twoworker.api.report import one_line, progress_line
@@ -140,7 +141,7 @@ def test_run_failing_after_preflight_exits_non_zero_and_fails_postflight(
     cluster_2x2, config_file, tmp_path
 ):
     done = subprocess.run(
-        [*CLI, "run", "--config", str(config_file), "runner.timeouts.step_s=0.001"],
+        [*CLI, "run", "--config", str(config_file), *ONE_RANK, "runner.timeouts.step_s=0.001"],
         env=driver_env(cluster_2x2.address, tmp_path, RUN_ID="cli-fails"),
         capture_output=True,
         text=True,
