@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import EXAMPLES
+from support import EXAMPLES, ONE_RANK
 
 from rlinf_twoworker.results import STEP_STAGES
 
@@ -50,6 +50,7 @@ def test_notebook_example_awaits_each_step_and_plots(cluster_2x2, tmp_path):
         str(tmp_path),
         "--plot",
         str(plot),
+        *ONE_RANK,  # an override the example passes on: its subject is not the actor's ranks
         cwd=tmp_path,
     )
     live = [line for line in done.stdout.splitlines() if line.startswith("LIVE_REWARD ")]
@@ -67,6 +68,7 @@ def test_embed_example_feeds_step_futures_to_its_own_tasks(cluster_2x2, tmp_path
         cluster_2x2.address,
         "--output-root",
         str(tmp_path),
+        *ONE_RANK,  # an override the example passes on: its subject is not the actor's ranks
         cwd=tmp_path,
     )
     out = done.stdout.splitlines()
