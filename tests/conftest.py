@@ -26,15 +26,9 @@ def cluster_2x2():
     nodes start with NODE_CODE on their PYTHONPATH (this process's environment is restored
     once they have started)."""
     system = {"metrics_report_interval_ms": 2000}
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(NODE_CODE), before) if p)
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", str(NODE_CODE), prepend=os.pathsep)
         cluster = LocalCluster(num_nodes=2, gpus_per_node=2, system_config=system).start()
-    finally:
-        if before is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = before
     try:
         yield cluster
     finally:

@@ -434,10 +434,11 @@ def test_two_nodes_one_gpu_each_with_inference_beside_the_actor(cluster_2x2, inp
     report = handle.result(timeout=TIMEOUT)
     assert report.passed, report.errors
     driver = ray.get_runtime_context().get_node_id()
-    nodes = {p["component"]: p["node_id"] for p in handle.topology()}
+    topology = handle.topology()
+    nodes = {p["component"]: p["node_id"] for p in topology}
     assert nodes["rollout"] == nodes["reward"] == driver
     assert nodes["inference"] == nodes["actor"] != driver
-    assert len({p["bundle"] for p in handle.topology()}) == 2
+    assert len({p["bundle"] for p in topology}) == 2
     assert all(s.metrics["sync/bytes"] > 0 for s in steps)
 
 
