@@ -1,7 +1,7 @@
 """What a component process's imports cost on this machine: the floor of a plain cluster's start.
 
 Each component process imports torch, transformers and its model family before it can load
-(`Worker.preimport`). This measures, in fresh interpreters:
+(`run/head_start.HeadStart.import_ahead`). This measures, in fresh interpreters:
 
 - one process alone: torch, then transformers with a causal-LM family, and the 15 modules
   whose own import (python -X importtime's self time) is the largest;

@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import ray
 
-from rlinf_twoworker import bytecode, components
+from rlinf_twoworker import components
 from rlinf_twoworker.cluster.connect import NAMESPACE, ray_name
 from rlinf_twoworker.cluster.placement import scheduling_options
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.config.placement import Placement, Slot
 from rlinf_twoworker.errors import ComponentError
 from rlinf_twoworker.results import Placed
+from rlinf_twoworker.run.head_start import HeadStart
 from rlinf_twoworker.run.liveness import is_death, short_reason
 from rlinf_twoworker.run.tasks import background
 from rlinf_twoworker.workers.contract import PREPARATIONS, Process
@@ -51,8 +52,9 @@ class Member:
 class ComponentHost:
     """One component's process. Its constructor only records its arguments, so the process
     answers `where` (its node, the GPUs Ray gave it) as soon as Ray has started it;
-    `import_ahead` imports the worker's module and what its model load will
-    (Worker.preimport); `load` builds the worker (its constructor loads the model); `call`
+    `import_ahead` imports the worker's module and what its model load will; `load` builds
+    the worker (its constructor loads the model); `prepare_compiler` and
+    `save_compile_cache` serve the compile cache (those three: run/head_start.py); `call`
     runs a worker method. The run starts the processes beside the preflight and loads the
     models once the memory plan has passed (`ComponentGroup.start`, `load`). Made for one
     worker by `host_class`."""
@@ -67,6 +69,8 @@ class ComponentHost:
         self._load_began: float | None = None
         self._cls: type | None = None
         self._worker: Any = None
+        self._head = HeadStart(cfg, self.COMPONENT, rank)
+        """Its head start (run/head_start.py): imports ahead, the compiler's cache."""
 
     def _class(self) -> type:
         if self._cls is None:
@@ -93,16 +97,13 @@ class ComponentHost:
         return self._worker.where()
 
     def import_ahead(self) -> dict[str, Any]:
-        start = time.perf_counter()
-        cfg, who = self._args[0], f"{self.COMPONENT}:{self._args[1]}"
-        cache = bytecode.for_this_process()
-        # Where the environment keeps no bytecode, the compile cache keeps it (bytecode.py).
-        cache.use(getattr(cfg, "compile_cache_root", None), who)
-        with bytecode.bulk_imports():  # no cyclic collection while torch and the model import
-            cls = cache.guarded(self._class, who)  # the worker's module: torch, the engines
-            ahead = getattr(cls, "preimport", None)
-            answer = cache.guarded(lambda: ahead(cfg, self.COMPONENT), who) if ahead else {}
-        return {**answer, "seconds": time.perf_counter() - start, "bytecode": cache.take()}
+        return self._head.import_ahead(self._class)
+
+    def prepare_compiler(self) -> dict[str, Any]:
+        return self._head.prepare()
+
+    def save_compile_cache(self) -> dict[str, Any]:
+        return self._head.save()
 
     def load(self, cfg: GRPOConfig | None = None) -> dict[str, Any]:
         """Build the worker, with `cfg` when given: the config as the run's memory plan settled
@@ -111,6 +112,7 @@ class ComponentHost:
         self._load_began = time.time()
         if cfg is not None:
             self._args = (cfg, self._args[1])
+            self._head.cfg = cfg
         self._worker = self._class()(*self._args)
         return self._worker.where()
 
@@ -133,8 +135,8 @@ class ComponentHost:
 HOST_METHODS = frozenset(
     name for name, f in vars(ComponentHost).items() if callable(f) and not name.startswith("_")
 )
-"""The process's own methods (where, import_ahead, load, ping, startup_report); `call` runs
-every other one on its worker."""
+"""The process's own methods (where, import_ahead, load, ping, startup_report,
+prepare_compiler, save_compile_cache); `call` runs every other one on its worker."""
 
 if TYPE_CHECKING:  # the host is what the contract's Process promises (mypy checks it)
     _host: type[Process] = ComponentHost

@@ -135,7 +135,7 @@ async def after_compiled_step(
     """Save newly compiled kernels to the shared compile cache; after the run's first step
     also record each component's compile seconds."""
     answers = await _ask_all(
-        group, Component.save_compile_cache, cfg.runner.timeouts.checkpoint_s, "compile cache"
+        group, Process.save_compile_cache, cfg.runner.timeouts.checkpoint_s, "compile cache"
     )
     for member, answer in answers:
         for line in answer["cache"]:

@@ -11,7 +11,6 @@ import datetime
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -19,10 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from rlinf_twoworker import components
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.engines import compile_cache, offload, weight_sync
-from rlinf_twoworker.engines.compile_cache import CompileCache
 from rlinf_twoworker.engines.models import device_for, load_causal_lm
 from rlinf_twoworker.engines.weight_sync import SyncGroups, new_sync_groups
 from rlinf_twoworker.workers.process import (
@@ -32,25 +29,6 @@ from rlinf_twoworker.workers.process import (
     process_memory,
     process_times,
 )
-
-COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx")
-"""torch.compile's stack (seconds of Python), imported before this process compiles."""
-_compiler_imports: threading.Thread | None = None
-"""The thread `Worker.preimport` starts to import COMPILER_MODULES (one a process)."""
-
-
-def import_compiler() -> None:
-    import importlib
-
-    for name in COMPILER_MODULES:
-        importlib.import_module(name)
-
-
-def _import_compiler_quietly() -> None:
-    try:
-        import_compiler()
-    except Exception:  # prepare_compiler imports them again and raises with the context
-        pass
 
 
 def free_port(host: str) -> int:
@@ -68,30 +46,6 @@ class Worker:
     """Identity, device and process-group membership of one component process."""
 
     model: Any
-    PREIMPORTS: tuple[str, ...] = ()
-    """Modules its constructor or first calls import beyond its model's (`preimport`)."""
-
-    @classmethod
-    def preimport(cls, cfg: GRPOConfig, component: str) -> dict[str, Any]:
-        """Import what the constructor will, model weights aside: the run calls this while
-        the preflight runs (run/group.py), so the model load that follows the memory plan
-        finds its modules imported. On GPUs it then starts a thread that imports the
-        compiler's (COMPILER_MODULES; `prepare_compiler` waits for it): needed only after
-        the load, they are off the way to it. Returns its seconds and the modules it could
-        not import (the constructor raises for them, with their context)."""
-        global _compiler_imports
-        from rlinf_twoworker.engines.models import preimport_model
-
-        start = time.perf_counter()
-        section = components.by_name(component).model_section
-        path = getattr(cfg, section).model.model_path if section else None
-        missing = preimport_model(path, cls.PREIMPORTS) if path else []
-        if cfg.cluster.accelerator == "cuda" and _compiler_imports is None:
-            _compiler_imports = threading.Thread(
-                target=_import_compiler_quietly, name="compiler-imports", daemon=True
-            )
-            _compiler_imports.start()
-        return {"seconds": time.perf_counter() - start, "missing": missing}
 
     def __init__(self, cfg: GRPOConfig, component: str, rank: int) -> None:
         self.began = time.time()  # the process started and imported its worker module
@@ -102,44 +56,14 @@ class Worker:
         self._sync: SyncGroups | None = None
         self.startup: dict[str, float] = {}
         """Seconds of this process's start-up parts (model load), for the run's log."""
-        self.compile_cache = CompileCache(None, component, "")
-        self._compiler_ready = False
         torch.manual_seed(cfg.actor.seed + rank)
 
     def load_model(self, path: str, dtype: torch.dtype) -> Any:
-        """Load the model (timed: startup['load']); on GPUs also find this component's entry
-        of the shared compile cache (loaded by `prepare_compiler`)."""
+        """Load the model (timed: startup['load'])."""
         start = time.perf_counter()
         model = load_causal_lm(path, dtype, self.device)
         self.startup["load"] = time.perf_counter() - start
-        if self.device.type == "cuda":  # where the components compile (actor.compile)
-            self.compile_cache = compile_cache.for_model(
-                self.cfg.compile_cache_root, self.component, model, self.device
-            )
         return model
-
-    def prepare_compiler(self) -> dict[str, Any]:
-        """On GPUs, before this process compiles anything: import torch.compile's stack
-        (seconds of Python) and load this component's compile-cache entry. A call of its own,
-        made right after the constructor, while the other components still load (calls to one
-        component run in order, so it is done before its first compiled call). Once; returns
-        its seconds and cache lines."""
-        if self.device.type != "cuda" or self._compiler_ready:
-            return {"seconds": {}, "cache": []}
-        start = time.perf_counter()
-        if _compiler_imports is not None:  # started by preimport: usually done by now
-            _compiler_imports.join()
-        import_compiler()
-        imported = time.perf_counter()
-        event = self.compile_cache.load()
-        self._compiler_ready = True
-        return {
-            "seconds": {
-                "compiler_imports": imported - start,
-                "cache_load": time.perf_counter() - imported,
-            },
-            "cache": [event.line(f"{self.component}:{self.rank}")],
-        }
 
     def timed_warm_up(self, run: Callable[[], object]) -> dict[str, float]:
         """runner.compile_warm_up's answer (run/warmup.py): `run()`'s seconds and, on GPUs,
@@ -157,15 +81,8 @@ class Worker:
         return process_memory(self.device)
 
     def startup_report(self) -> dict[str, Any]:
-        """What this process's start-up took (its compile cache: `prepare_compiler`)."""
+        """What this process's start-up took (its model load)."""
         return {**process_times(self.began), "seconds": dict(self.startup)}
-
-    def save_compile_cache(self) -> dict[str, Any]:
-        """After compiled work: save what was compiled since the last save (shared storage);
-        the cache lines to log and the seconds spent compiling so far."""
-        event = self.compile_cache.save_if_new()
-        line = [] if event is None else [event.line(f"{self.component}:{self.rank}")]
-        return {"cache": line, "compile_s": compile_cache.compile_seconds()}
 
     @property
     def sync(self) -> SyncGroups:
@@ -287,5 +204,5 @@ class PolicyCopy(Worker):
 if TYPE_CHECKING:
     from rlinf_twoworker.workers import contract
 
-    _model: type[contract.ModelComponent] = Worker
+    _model: type[contract.Component] = Worker
     _copy: type[contract.PolicyCopy] = PolicyCopy

@@ -45,6 +45,16 @@ class Process(Protocol):
         """The worker's start-up report with the process's own marks (began, load_began)."""
         ...
 
+    def prepare_compiler(self) -> dict[str, Any]:
+        """A model component's preparation, right after its load: on GPUs the compiler's
+        imports and its compile-cache entry (run/head_start.py); 'seconds' by part and 'cache'
+        lines."""
+        ...
+
+    def save_compile_cache(self) -> dict[str, Any]:
+        """Save what it compiled since the last save: 'cache' (lines to log), 'compile_s'."""
+        ...
+
 
 class Component(Protocol):
     """Every worker: what the run asks of each one after it is built."""
@@ -61,25 +71,12 @@ class Component(Protocol):
         """Its start-up marks and the seconds of its parts ('seconds': {part: s})."""
         ...
 
-    def save_compile_cache(self) -> dict[str, Any]:
-        """Save what it compiled since the last save: 'cache' (lines to log), 'compile_s'."""
-        ...
-
     def attach_log(self, path: str) -> None:
         """Also log to `path` (runner.per_worker_log)."""
         ...
 
 
-class ModelComponent(Component, Protocol):
-    """A worker that runs a model (compiled on GPUs)."""
-
-    def prepare_compiler(self) -> dict[str, Any]:
-        """Its preparation, right after its load: the compiler's imports and its compile cache;
-        'seconds' by part and 'cache' lines."""
-        ...
-
-
-class Policy(ModelComponent, Protocol):
+class Policy(Component, Protocol):
     """A member of the run's process group holding the policy: an actor rank or a copy."""
 
     def join(
@@ -127,7 +124,7 @@ class Rollout(PolicyCopy, Protocol):
         ...
 
 
-class LogProbModel(ModelComponent, Protocol):
+class LogProbModel(Component, Protocol):
     """A worker that computes log-probs of a step's answers (inference, the reference)."""
 
     def compute_logprobs(self, batch: SequenceBatch) -> messages.LogProbs:
@@ -208,7 +205,7 @@ class Grader(Component, Protocol):
 
 
 PREPARATIONS: dict[str, Callable[..., Any]] = {
-    f.__name__: f for f in (ModelComponent.prepare_compiler, Grader.warm_up_grader)
+    f.__name__: f for f in (Process.prepare_compiler, Grader.warm_up_grader)
 }
 """The preparation methods a component's row may name (components.Component.prepare, a name:
 the table cannot import this module, whose types import the config, which reads the table)."""

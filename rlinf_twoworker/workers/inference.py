@@ -8,7 +8,7 @@ temperature, as in the actor (and in RLinf).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,20 +44,13 @@ class InferenceWorker(PolicyCopy):
         # ones and the first minibatch's ratio is 1 up to rounding.
         wanted = cfg.actor.compile if cfg.inference.compile is None else cfg.inference.compile
         self.fused = self.device.type == "cuda" and wanted
-        self._layers_compiled = False  # by prepare_compiler: the compiler's imports take seconds
-
-    def prepare_compiler(self) -> dict[str, Any]:
-        """The compiler's imports and cache entry (Worker.prepare_compiler), then the decoder
-        layers set to compile (with self.fused); once."""
-        out = super().prepare_compiler()
-        if not self._layers_compiled:
-            compile_layers(self.model, self.fused)
-            self._layers_compiled = True
-        return out
+        self._layers_compiled = False  # on the first compute: the compiler's imports take seconds
 
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch) -> LogProbs:
-        self.prepare_compiler()  # done already when the run asked for it after the constructor
+        if not self._layers_compiled:  # the decoder layers set to compile (with self.fused)
+            compile_layers(self.model, self.fused)
+            self._layers_compiled = True
         start = time.perf_counter()
         offload.require_weights(self.model, f"{self.component} rank {self.rank}")
         logprobs = run_or_eager(

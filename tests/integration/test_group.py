@@ -194,9 +194,10 @@ def test_the_controller_process_starts_without_torch():
 
 
 def test_import_ahead_leaves_the_compiler_to_a_thread_on_gpus_only(tmp_path):
-    """On GPUs, Worker.preimport returns once the model load's modules are imported and
-    starts one thread that imports torch.compile's stack (prepare_compiler waits for it);
-    on CPU it starts none. In fresh interpreters (preimport touches no GPU either way)."""
+    """On GPUs, the head start's import_ahead returns once the model load's modules are
+    imported and starts one thread that imports torch.compile's stack (its `prepare` waits
+    for it); on CPU it starts none, and neither prepares nor saves a compile cache. In fresh
+    interpreters (import_ahead touches no GPU either way)."""
     import json
     import subprocess
     import sys
@@ -213,17 +214,21 @@ def test_import_ahead_leaves_the_compiler_to_a_thread_on_gpus_only(tmp_path):
         "import json, sys\n"
         "from omegaconf import OmegaConf\n"
         "from rlinf_twoworker.config import GRPOConfig, to_typed\n"
-        "from rlinf_twoworker.workers import base\n"
-        "from rlinf_twoworker.workers.inference import InferenceWorker\n"
+        "from rlinf_twoworker.run import head_start\n"
         "cfg = to_typed(OmegaConf.merge(OmegaConf.structured(GRPOConfig), json.loads(sys.argv[1])))\n"
-        "InferenceWorker.preimport(cfg, 'inference')\n"
-        "first = base._compiler_imports\n"
-        "InferenceWorker.preimport(cfg, 'inference')\n"  # a second call starts no second one
-        "same = base._compiler_imports is first\n"
+        "head = head_start.HeadStart(cfg, 'inference', 0)\n"
+        "from rlinf_twoworker.components import named\n"
+        "worker = lambda: named('rlinf_twoworker.workers.inference:InferenceWorker')\n"
+        "answer = head.import_ahead(worker)\n"
+        "first = head.compiler_imports\n"
+        "head.import_ahead(worker)\n"  # a second call starts no second one
+        "same = head.compiler_imports is first\n"
         "if first is not None:\n"
         "    first.join(300)\n"
+        "cpu = {} if first else {'prepare': head.prepare(), 'save': head.save()}\n"
         "print(json.dumps({'thread': None if first is None else first.name, 'same': same,\n"
-        "    'imported': [m for m in base.COMPILER_MODULES if m in sys.modules]}))\n"
+        "    'missing': answer['missing'], **cpu,\n"
+        "    'imported': [m for m in head_start.COMPILER_MODULES if m in sys.modules]}))\n"
     )
     answers = {}
     for accelerator in ("cuda", "cpu"):
@@ -238,8 +243,10 @@ def test_import_ahead_leaves_the_compiler_to_a_thread_on_gpus_only(tmp_path):
         answers[accelerator] = json.loads(done.stdout.strip().splitlines()[-1])
     assert answers["cuda"]["thread"] == "compiler-imports" and answers["cuda"]["same"]
     assert answers["cuda"]["imported"] == ["torch._dynamo", "torch._inductor.compile_fx"]
-    assert answers["cpu"]["thread"] is None
+    assert answers["cpu"]["thread"] is None and answers["cpu"]["missing"] == []
     assert "torch._inductor.compile_fx" not in answers["cpu"]["imported"]
+    assert answers["cpu"]["prepare"] == {"seconds": {}, "cache": []}
+    assert answers["cpu"]["save"] == {"cache": [], "compile_s": 0.0}
 
 
 class Records:

@@ -1,0 +1,147 @@
+"""A component process's head start: what makes it ready sooner, and nothing it needs to be
+correct. Its process (run/group.ComponentHost) calls it at three points; the workers know
+nothing of it.
+
+    import_ahead   beside the preflight, before the model load: the worker's module (torch)
+                   and what loading the model will import (transformers' classes, the
+                   model's family), with the cyclic collector off (bytecode.bulk_imports) and
+                   the bytecode cache where the environment keeps no bytecode (bytecode.py);
+                   on GPUs it then starts a thread that imports torch.compile's stack
+    prepare        right after the model load, on GPUs: that thread joined and the
+                   component's entry of the shared compile cache loaded
+                   (engines/compile_cache.py), before anything compiles
+    save           after a compiled step: what was compiled since the last save, back to the
+                   shared compile cache
+
+Without these calls a component imports on first use, compiles from scratch and keeps
+nothing: the same run, started more slowly. The run's other start-up measures sit beside
+this, each in one place: Ray's preloaded workers (rlinf_twoworker.preload), the compile
+warm-up (run/warmup.py), and the start-up record (run/startup.py).
+
+No torch at import: the process imports this before its first import of it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+from typing import Any
+
+from rlinf_twoworker import bytecode, components
+
+COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx")
+"""torch.compile's stack (seconds of Python), imported before the process compiles."""
+
+
+def import_compiler() -> None:
+    for name in COMPILER_MODULES:
+        importlib.import_module(name)
+
+
+def _import_compiler_quietly() -> None:
+    try:
+        import_compiler()
+    except Exception:  # `prepare` imports them again and raises with the context
+        pass
+
+
+class HeadStart:
+    """The head start of one component process (`cfg`, `component`, `rank`)."""
+
+    def __init__(self, cfg: Any, component: str, rank: int) -> None:
+        self.cfg, self.component, self.who = cfg, component, f"{component}:{rank}"
+        self.compiler_imports: threading.Thread | None = None
+        """The thread importing COMPILER_MODULES (GPUs; started by `import_ahead`)."""
+        self.cache: Any = None
+        """This component's compile-cache entry (engines/compile_cache.CompileCache), found by
+        `prepare` on GPUs."""
+
+    @property
+    def _cuda(self) -> bool:
+        return getattr(getattr(self.cfg, "cluster", None), "accelerator", "cpu") == "cuda"
+
+    def _model_path(self) -> str | None:
+        """The model its worker loads; None for a component without one (the reward), or a
+        config without its section (a stand-in worker's, in tests)."""
+        row = next((c for c in components.TABLE if c.name == self.component), None)
+        section = getattr(self.cfg, row.model_section, None) if row and row.model_section else None
+        return getattr(getattr(section, "model", None), "model_path", None)
+
+    def import_ahead(self, worker_class: Any) -> dict[str, Any]:
+        """Import the worker's module (`worker_class()`, which imports it) and what its model
+        load will, without reading a weight. Returns its seconds, the modules it could not
+        import (the load raises for them, with their context) and the bytecode cache's
+        lines."""
+        start = time.perf_counter()
+        cache = bytecode.for_this_process()
+        # Where the environment keeps no bytecode, the compile cache keeps it (bytecode.py).
+        cache.use(getattr(self.cfg, "compile_cache_root", None), self.who)
+        missing: list[str] = []
+        with bytecode.bulk_imports():  # no cyclic collection while torch and the model import
+            cache.guarded(worker_class, self.who)  # the worker's module: torch, the engines
+            path = self._model_path()
+            if path:
+                from rlinf_twoworker.engines.models import preimport_model
+
+                missing = cache.guarded(lambda: preimport_model(path), self.who)
+        if self._cuda and self.compiler_imports is None:  # needed only after the load
+            self.compiler_imports = threading.Thread(
+                target=_import_compiler_quietly, name="compiler-imports", daemon=True
+            )
+            self.compiler_imports.start()
+        return {
+            "seconds": time.perf_counter() - start,
+            "missing": missing,
+            "bytecode": cache.take(),
+        }
+
+    def prepare(self) -> dict[str, Any]:
+        """On GPUs, once the model is loaded: torch.compile's imports done and this
+        component's compile-cache entry loaded, before it compiles. Returns its seconds by
+        part and its cache lines (none on a CPU, or a second time)."""
+        path = self._model_path()
+        if not self._cuda or self.cache is not None or path is None:
+            return {"seconds": {}, "cache": []}
+        start = time.perf_counter()
+        if self.compiler_imports is not None:  # usually done by now
+            self.compiler_imports.join()
+        import_compiler()
+        imported = time.perf_counter()
+        self.cache = _cache_entry(self.cfg, self.component, path)
+        event = self.cache.load()
+        return {
+            "seconds": {
+                "compiler_imports": imported - start,
+                "cache_load": time.perf_counter() - imported,
+            },
+            "cache": [event.line(self.who)],
+        }
+
+    def save(self) -> dict[str, Any]:
+        """After compiled work: save what was compiled since the last save (shared storage).
+        Returns the cache lines to log and this process's seconds in torch.compile so far."""
+        if self.cache is None:  # a CPU, no model, or not prepared
+            return {"cache": [], "compile_s": 0.0}
+        from rlinf_twoworker.engines import compile_cache
+
+        event = self.cache.save_if_new()
+        return {
+            "cache": [] if event is None else [event.line(self.who)],
+            "compile_s": compile_cache.compile_seconds(),
+        }
+
+
+def _cache_entry(cfg: Any, component: str, path: str) -> Any:
+    """The compile-cache entry of `component` for the model at `path`, in the dtype and on the
+    device its worker loads it with (compile_cache.cache_key)."""
+    from transformers import AutoConfig
+
+    from rlinf_twoworker.engines.compile_cache import CompileCache, cache_key
+    from rlinf_twoworker.engines.models import device_for, dtype_for
+
+    section = getattr(cfg, str(components.by_name(component).model_section))
+    device = device_for(cfg.cluster.accelerator)
+    config = AutoConfig.from_pretrained(path).to_dict()
+    key = cache_key(config, dtype_for(section.model.precision, device), device)
+    return CompileCache(cfg.compile_cache_root, component, key)
