@@ -127,6 +127,11 @@ def by_name(name: str) -> Component:
     return next(c for c in TABLE if c.name == name)
 
 
+def runs_model(name: str) -> bool:
+    """Whether component `name` loads a model (its row names a model section)."""
+    return any(c.name == name and c.model_section is not None for c in TABLE)
+
+
 def in_run(cfg: GRPOConfig) -> list[Component]:
     """The components this config runs, in table order."""
     return [c for c in TABLE if c.in_run(cfg)]

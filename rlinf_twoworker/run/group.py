@@ -90,11 +90,24 @@ class ComponentHost:
         return self._cls
 
     def where(self) -> dict[str, Any]:
-        if self._worker is None:
-            from rlinf_twoworker.workers.process import place
+        from rlinf_twoworker.workers.process import place
 
-            return place(self.COMPONENT, self._args[1])
-        return self._worker.where()
+        return place(self.COMPONENT, self._args[1])
+
+    def memory_report(self) -> dict[str, float]:
+        """This process's memory since the last report (workers/process.process_memory): host
+        memory, and on a GPU the peaks PyTorch saw where its worker runs a model."""
+        from rlinf_twoworker.workers.process import process_memory
+
+        cfg = self._args[0]
+        cuda = getattr(getattr(cfg, "cluster", None), "accelerator", None) == "cuda"
+        return process_memory(gpu=cuda and components.runs_model(self.COMPONENT))
+
+    def attach_log(self, path: str) -> None:
+        """runner.per_worker_log: this process also logs to `path`."""
+        from rlinf_twoworker.workers.process import attach_log
+
+        attach_log(path, self.COMPONENT, self._args[1])
 
     def import_ahead(self) -> dict[str, Any]:
         return self._head.import_ahead(self._class)
@@ -114,7 +127,7 @@ class ComponentHost:
             self._args = (cfg, self._args[1])
             self._head.cfg = cfg
         self._worker = self._class()(*self._args)
-        return self._worker.where()
+        return self.where()
 
     def ping(self) -> bool:
         return True
@@ -135,8 +148,9 @@ class ComponentHost:
 HOST_METHODS = frozenset(
     name for name, f in vars(ComponentHost).items() if callable(f) and not name.startswith("_")
 )
-"""The process's own methods (where, import_ahead, load, ping, startup_report,
-prepare_compiler, save_compile_cache); `call` runs every other one on its worker."""
+"""The process's own methods (where, memory_report, attach_log, import_ahead, load, ping,
+startup_report, prepare_compiler, save_compile_cache); `call` runs every other one on its
+worker."""
 
 if TYPE_CHECKING:  # the host is what the contract's Process promises (mypy checks it)
     _host: type[Process] = ComponentHost

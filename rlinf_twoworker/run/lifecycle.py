@@ -13,7 +13,7 @@ from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.run.group import ComponentGroup, Member
 from rlinf_twoworker.run.startup import StartupClock
 from rlinf_twoworker.storage.rundir import RunLog
-from rlinf_twoworker.workers.contract import Component, Policy, Process, Trainer
+from rlinf_twoworker.workers.contract import Policy, Process, Trainer
 
 R = TypeVar("R")
 
@@ -24,7 +24,7 @@ async def attach_worker_logs(group: ComponentGroup, cfg: GRPOConfig, run_dir: Pa
     paths = [(str(run_dir / "log" / f"{m.slot.component}-{m.slot.rank}.log"),) for m in members]
     await group.call_each(
         members,
-        Component.attach_log,
+        Process.attach_log,
         timeout=cfg.runner.timeouts.actor_start_s,
         stage="per-worker log",
         per_member=paths,
@@ -148,7 +148,7 @@ async def memory_metrics(group: ComponentGroup, cfg: GRPOConfig) -> dict[str, fl
     """Every component process's memory during the step just done, as
     memory/<component>/<rank>/<what> in GiB (GPU peaks on GPUs, host memory everywhere)."""
     answers = await _ask_all(
-        group, Component.memory_report, cfg.runner.timeouts.collective_s, "memory report"
+        group, Process.memory_report, cfg.runner.timeouts.collective_s, "memory report"
     )
     return {
         f"memory/{m.slot.component}/{m.slot.rank}/{what}": value

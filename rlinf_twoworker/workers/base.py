@@ -23,10 +23,7 @@ from rlinf_twoworker.engines import compile_cache, offload, weight_sync
 from rlinf_twoworker.engines.models import device_for, load_causal_lm
 from rlinf_twoworker.engines.weight_sync import SyncGroups, new_sync_groups
 from rlinf_twoworker.workers.process import (
-    attach_log,
     node_ip,
-    place,
-    process_memory,
     process_times,
 )
 
@@ -76,10 +73,6 @@ class Worker:
         compile_s = compile_cache.compile_seconds() - compiled if cuda else 0.0
         return {"seconds": seconds, "compile_s": compile_s}
 
-    def memory_report(self) -> dict[str, float]:
-        """This process's memory since the last report (process_memory)."""
-        return process_memory(self.device)
-
     def startup_report(self) -> dict[str, Any]:
         """What this process's start-up took (its model load)."""
         return {**process_times(self.began), "seconds": dict(self.startup)}
@@ -93,10 +86,6 @@ class Worker:
                 "process groups are made first (a library bug if it reaches a user)"
             )
         return self._sync
-
-    def where(self) -> dict[str, Any]:
-        """Component, rank, node and GPUs of this process (for topology and error messages)."""
-        return place(self.component, self.rank)
 
     def rendezvous_address(self) -> tuple[str, int]:
         ip = node_ip()
@@ -134,12 +123,6 @@ class Worker:
     def leave(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-    def ping(self) -> bool:
-        return True
-
-    def attach_log(self, path: str) -> None:
-        attach_log(path, self.component, self.rank)
 
     def weights_dtype(self) -> str:
         """The dtype of this process's copy of the weights (for the weight check)."""

@@ -29,6 +29,14 @@ class Process(Protocol):
         """Its component, rank, node, pid and the GPUs Ray gave it."""
         ...
 
+    def memory_report(self) -> dict[str, float]:
+        """Its memory since the last report, in GiB by what."""
+        ...
+
+    def attach_log(self, path: str) -> None:
+        """Also log to `path` (runner.per_worker_log)."""
+        ...
+
     def import_ahead(self) -> dict[str, Any]:
         """Import the worker's module and what its load will; its seconds and bytecode lines."""
         ...
@@ -59,20 +67,8 @@ class Process(Protocol):
 class Component(Protocol):
     """Every worker: what the run asks of each one after it is built."""
 
-    def where(self) -> dict[str, Any]:
-        """Its component, rank, node, pid and GPUs (for the topology and errors)."""
-        ...
-
-    def memory_report(self) -> dict[str, float]:
-        """Its process's memory since the last report, in GiB by what."""
-        ...
-
     def startup_report(self) -> dict[str, Any]:
         """Its start-up marks and the seconds of its parts ('seconds': {part: s})."""
-        ...
-
-    def attach_log(self, path: str) -> None:
-        """Also log to `path` (runner.per_worker_log)."""
         ...
 
 

@@ -1,6 +1,7 @@
 """A component process's own facts, without heavy imports: where it runs (its first answer to
-the run comes before its model loads, and the preflight waits for it: run/group.py), when it
-started, its memory and its log. The reward's process, which never needs torch, uses these."""
+the run comes before its model loads, and the preflight waits for it), when it started, its
+memory and its log. The process's host (run/group.ComponentHost) answers these for every
+worker, so no worker implements them; the reward's process never imports torch for them."""
 
 from __future__ import annotations
 
@@ -47,10 +48,11 @@ def place(component: str, rank: int) -> dict[str, Any]:
     return info
 
 
-def process_memory(device: Any = None) -> dict[str, float]:
+def process_memory(gpu: bool = False) -> dict[str, float]:
     """This process's memory, in GiB: host RSS now and its peak since the process started
-    and, on a GPU, the peak allocated and reserved by PyTorch since the last report (the
-    peaks are reset, so each report covers one step)."""
+    and, with `gpu`, the peak allocated and reserved by PyTorch on its GPU (cuda:0, the one
+    Ray gave it) since the last report (the peaks are reset, so each report covers one
+    step)."""
     import resource
 
     import psutil
@@ -59,9 +61,10 @@ def process_memory(device: Any = None) -> dict[str, float]:
     # Linux reports ru_maxrss in KiB; the kernel's high-water mark can trail the current RSS.
     peak = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     out = {"host_rss_gib": rss / GIB, "host_peak_rss_gib": peak / GIB}
-    if device is not None and device.type == "cuda":
+    if gpu:
         import torch
 
+        device = torch.device("cuda", 0)
         out["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         out["gpu_peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
         torch.cuda.reset_peak_memory_stats(device)

@@ -492,33 +492,11 @@ class RewardWorker:
             )
         return Graded(scores, stats)
 
-    def where(self) -> dict[str, Any]:
-        from rlinf_twoworker.workers.process import place
-
-        return place("reward", self.rank)
-
-    def ping(self) -> bool:
-        return True
-
-    def memory_report(self) -> dict[str, float]:
-        """Host memory of this process (the grading processes are its children, not counted)."""
-        from rlinf_twoworker.workers.process import process_memory
-
-        return process_memory(None)
-
     def startup_report(self) -> dict[str, Any]:
         """The process's start (its grading processes': warm_up_grader); no model."""
         from rlinf_twoworker.workers.process import process_times
 
         return {**process_times(self.began), "seconds": {}}
-
-    def save_compile_cache(self) -> dict[str, Any]:
-        return {"cache": [], "compile_s": 0.0}
-
-    def attach_log(self, path: str) -> None:
-        from rlinf_twoworker.workers.process import attach_log
-
-        attach_log(path, "reward", self.rank)
 
 
 # For mypy: RewardWorker is what the run asks of the reward (workers/contract.py).

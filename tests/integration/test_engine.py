@@ -454,6 +454,7 @@ def test_a_kl_term_runs_against_a_frozen_reference_policy(cluster_2x2, inputs, t
             "algorithm.kl_beta=0.1",
             "actor.optim.lr=1e-3",
             "cluster.component_placement.reference=3",
+            "+runner.per_worker_log=true",
         ],
     )
     handle = run_grpo_two_worker(cfg)
@@ -466,3 +467,8 @@ def test_a_kl_term_runs_against_a_frozen_reference_policy(cluster_2x2, inputs, t
     assert "time/reference" in steps[0].timings
     report = handle.result(timeout=TIMEOUT)
     assert report.passed, report.errors
+    # runner.per_worker_log: every process, the reference and the reward included, also logs
+    # to a file of its own (each process's host attaches it).
+    for component, rank in where:
+        log = tmp_path / "kl" / "log" / f"{component}-{rank}.log"
+        assert f"{component} rank {rank} logs to {log}" in log.read_text(), log

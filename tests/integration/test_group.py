@@ -39,7 +39,7 @@ def test_a_component_process_answers_before_its_worker_is_built():
     with pytest.raises(RuntimeError, match="rollout:3: where was called before the worker"):
         component.call("where")
     assert component.import_ahead()["seconds"] >= 0  # a class with nothing to import
-    assert component.load() == {"component": "loads", "rank": 3, "loaded": True}
+    assert component.load() == placed  # the process's own answer, as before the load
     assert Loads.loaded == 1 and component.call("where")["loaded"] is True
     report = component.startup_report()
     # began: when the process answered first; load_began: when the constructor ran.
@@ -159,7 +159,7 @@ def test_the_reward_process_answers_without_importing_torch():
         "import sys, time\n"
         "from rlinf_twoworker.workers.process import place, process_memory, process_times\n"
         "import rlinf_twoworker.workers.reward\n"
-        "place('reward', 0); process_times(time.time()); process_memory(None)\n"
+        "place('reward', 0); process_times(time.time()); process_memory()\n"
         "from rlinf_twoworker.messages import Graded\n"  # what score() returns
         "print('torch' in sys.modules)\n"
     )
