@@ -347,6 +347,7 @@ def test_policy_learns_to_answer_seven(cluster_2x2, inputs, tmp_path):
         tmp_path,
         "learn",
         [
+            *ONE_RANK,  # the learning, not the ranks: the reference run has two
             f"runner.max_steps={steps}",
             f"runner.save_interval={steps}",
             "algorithm.sampling_params.max_new_tokens=1",
@@ -381,6 +382,7 @@ def _final_weights(run_dir: Path, step: int, tmp: Path) -> dict[str, torch.Tenso
 def test_dynamic_batch_size_gives_the_same_update(cluster_2x2, inputs, tmp_path):
     """Token-budget micro-batches change how rows are grouped, never the update itself."""
     common = [
+        *ONE_RANK,  # how one rank cuts its rows; the ranks' split is the reference run's
         "runner.max_steps=1",
         "runner.save_interval=1",
         "actor.optim.lr=1e-3",
@@ -451,6 +453,7 @@ def test_a_kl_term_runs_against_a_frozen_reference_policy(cluster_2x2, inputs, t
         tmp_path,
         "kl",
         [
+            *ONE_RANK,
             "algorithm.kl_beta=0.1",
             "actor.optim.lr=1e-3",
             "cluster.component_placement.reference=3",

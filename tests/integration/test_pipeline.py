@@ -11,6 +11,7 @@ import time
 import pytest
 import ray
 import torch
+from support import ONE_RANK
 
 from rlinf_twoworker import ConfigError, run_grpo_two_worker
 from rlinf_twoworker.algorithm import group_advantages, normalize_advantages
@@ -204,6 +205,7 @@ SAME = (
 
 def _run(inputs, tmp_path, run_id: str, overrides: list[str], classes=None):
     common = [
+        *ONE_RANK,  # the schedule, not the ranks: the actor on a GPU of its own either way
         "runner.save_interval=-1",
         "actor.optim.lr=1e-3",  # step 2 samples from visibly moved weights
         "algorithm.shuffle_rollout=true",

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import EXAMPLES, NODE_CODE
+from support import EXAMPLES, NODE_CODE, ONE_RANK
 
 from rlinf_twoworker.api.request import RequestError, input_problems, resolve_request
 from rlinf_twoworker.config import load_config, to_typed
@@ -289,7 +289,7 @@ def test_a_run_rewards_with_the_function_and_its_values_reach_the_step_metrics(
     module.write_text(REWARD_MODULE)
     monkeypatch.syspath_prepend(str(NODE_CODE))
     log = tmp_path / "calls.jsonl"
-    overrides = ["reward.reward_fn=parity_reward:parity", "runner.save_interval=-1"]
+    overrides = [*ONE_RANK, "reward.reward_fn=parity_reward:parity", "runner.save_interval=-1"]
     cfg = demo_config(_parity_inputs(tmp_path, log), tmp_path / "runs", "reward-fn", overrides)
     try:
         check_inputs(to_typed(cfg))
