@@ -2,31 +2,39 @@
 
 The grader is RLinf's (rewards.rlinf_grader, the default) or HF math_verify (reward.grader).
 
-Grading runs in a few spawned worker processes, one answer per worker at a time, for one reason:
-a hard per-answer timeout (RLinf's is 10 s). math_verify's own timeouts use signal.alarm, which
-works only in a process's main thread, and a Ray actor method (or `asyncio.to_thread`) is not
-one; RLinf's grader sets none. A worker that runs past `timeout_s` is killed, its answer scored
-wrong, and a fresh worker takes its place, so a pathological expression cannot stall later steps.
+Grading runs in a few worker processes, one answer per worker at a time, for one reason: a hard
+per-answer timeout (RLinf's is 10 s). math_verify's own timeouts use signal.alarm, which works
+only in a process's main thread, and a Ray actor method (or `asyncio.to_thread`) is not one;
+RLinf's grader sets none. A worker that runs past `timeout_s` is killed, its answer scored wrong,
+and a fresh worker takes its place, so a pathological expression cannot stall later steps.
+
+The workers are forked from a forkserver of the MathReward's own (rewards/grading_server.py, on
+Linux): it imports the grader and grades one trivial answer once (rewards/warm_rlinf.py or
+warm_math_verify.py), so each worker, the first ones and each replacement of a killed one,
+starts with sympy and the parsers imported instead of importing them afresh (about a CPU-second
+each); nor does it run the main module as spawned processes do (a Ray worker's imports ray),
+unless the grader or reward_fn is defined there. Each worker dies with the process that holds
+the MathReward, even SIGKILLed while it grades (_die_with_parent). Where the forkserver cannot
+be used (not Linux, or it failed to start a worker: a warning says so) they are spawned as
+fresh interpreters instead.
 
 reward.reward_fn ('package.module:function') replaces the grader with a user's function,
 fn(prompt, answer, row) -> float, run in the same processes under the same limit: each process
-imports it by name when it starts (so it must be importable on the reward's node), an answer
-past reward.timeout_s scores 0.0, and its float is the reward as it is (no reward_scale). Unlike
-a math grader's exception, which scores the answer wrong, a user function that raises, returns
-no finite float, or kills its process fails the step with the traceback: that is a bug in the
-function, and scoring it 0 would let it pass as a low reward.
+imports it by name when it starts (so it must be importable on the reward's node; the forkserver
+does not import it: a user's module may not import there, or not safely before a fork), an
+answer past reward.timeout_s scores 0.0, and its float is the reward as it is (no reward_scale).
+Unlike a math grader's exception, which scores the answer wrong, a user function that raises,
+returns no finite float, or kills its process fails the step with the traceback: that is a bug
+in the function, and scoring it 0 would let it pass as a low reward.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import multiprocessing
 import os
 import pickle
-import signal
-import sys
 import threading
 import time
 import traceback
@@ -47,7 +55,15 @@ from rlinf_twoworker.rewards.graders import (
     reward_fn_syntax_problem,
     reward_value_problem,
 )
-from rlinf_twoworker.rewards.math_verify_grader import grade_math_verify
+from rlinf_twoworker.rewards.grading_server import (
+    WARM_UP_ANSWER,
+    GradingServer,
+    die_with_parent_thread,
+    forkserver_available,
+    forkserver_pid,
+    release_alive_pipe,
+)
+from rlinf_twoworker.rewards.math_verify_grader import grade_math_verify, quiet_timeout_notice
 from rlinf_twoworker.rewards.rlinf_grader import environment_problem, grade_rlinf
 
 if TYPE_CHECKING:
@@ -76,46 +92,47 @@ _TRACEBACK_CHARS = 6000
 grade_one = grade_math_verify
 """The math_verify grader under its former name (reward.grader=math_verify)."""
 
-
-class _DropTimeoutNotice(logging.Filter):
-    """math_verify warns once per process that its timeout is off; here that is by design."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Timeout is disabled")
-
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+WARM_UP_MODULES: dict[Grader, str] = {
+    grade_rlinf: "rlinf_twoworker.rewards.warm_rlinf",
+    grade_math_verify: "rlinf_twoworker.rewards.warm_math_verify",
+}
+"""The module whose import in the forkserver warms each built-in grader up."""
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Make this grading process die with the process that started it, even killed with
-    SIGKILL while it grades (an idle one also ends on its pipe's EOF): on Linux the kernel
-    sends SIGKILL when the starting thread ends (MathReward starts them from a thread it keeps
-    for that), and a parent that died before prctl is seen by the parent pid changing."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            logging.getLogger(__name__).warning(
-                "grading process %d: prctl(PR_SET_PDEATHSIG) failed (errno %d); it may "
-                "outlive a killed reward actor while it grades",
-                os.getpid(),
-                ctypes.get_errno(),
-            )
-    if os.getppid() != parent_pid:
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Make this grading process die with the process that holds its MathReward, even killed
+    with SIGKILL while it grades (an idle one also ends on its pipe's EOF). On Linux the kernel
+    sends SIGKILL when this process's parent thread ends, and a parent that died before prctl
+    is seen by the parent pid not being the expected one:
+
+    - forked by the MathReward's forkserver (`parent_pid` None): the parent is the forkserver,
+      whose pid it recorded before the fork, and which ends with the holder (its own
+      PR_SET_PDEATHSIG on the holder's starting thread, and the EOF of its alive pipe, whose
+      copy this process closes: rewards/grading_server.py);
+    - spawned (`parent_pid`: the holder's pid): the parent is the holder, and the thread that
+      started this process one MathReward keeps for that."""
+    expected = parent_pid
+    if expected is None:  # the server's pid; without its preload, the parent as found now
+        expected = forkserver_pid() or os.getppid()
+    die_with_parent_thread("grading process")
+    if parent_pid is None:
+        release_alive_pipe()
+    if os.getppid() != expected:
         os._exit(0)
 
 
 def _worker_main(
-    conn: Connection, grader: Grader, parent_pid: int, reward_fn: str | None = None
+    conn: Connection, grader: Grader, parent_pid: int | None, reward_fn: str | None = None
 ) -> None:
     """Loop of a grading process: receive (answer, solutions), send (correct, error or None).
 
-    With `reward_fn`, resolved here by name (a spawned process imports it afresh): receive
-    (prompt, answer, row), send (reward, None) or (None, why there is none); a name that does
-    not resolve here is sent as ("failed", why) instead of "ready"."""
+    `parent_pid`: the pid of the process holding the MathReward when spawned, None when
+    forked by its forkserver (_die_with_parent). With `reward_fn`, resolved here by name (each
+    process imports it itself; the forkserver does not): receive (prompt, answer, row), send
+    (reward, None) or (None, why there is none); a name that does not resolve here is sent as
+    ("failed", why) instead of "ready"."""
     _die_with_parent(parent_pid)
-    for name in ("math_verify.parser", "math_verify.grader"):
-        logging.getLogger(name).addFilter(_DropTimeoutNotice())
+    quiet_timeout_notice()
     judge: RewardFunction | None = None
     if reward_fn is not None:
         try:
@@ -189,6 +206,11 @@ class MathReward:
 
     `grader` judges one answer against its solutions: RLinf's (grade_rlinf, the default) or
     math_verify's (grade_one), or any picklable module-level function (tests make one hang).
+    `preload`: the modules the grading processes' forkserver imports once before it forks
+    them; by default the built-in grader's warm-up (WARM_UP_MODULES), nothing for another
+    grader or reward_fn, whose modules each process imports itself. Name a module here only if
+    importing it before a fork is safe (it starts no threads); one that does not import there
+    is passed over, one whose import fails otherwise makes the grading processes spawned.
     `reward_fn` ('package.module:function', reward.reward_fn) replaces the grader: score() then
     needs each answer's PromptRow and returns the function's values as they are (reward_scale
     unused), 0.0 for an answer past timeout_s, and raises RewardFunctionError when the function
@@ -205,6 +227,8 @@ class MathReward:
         num_workers: int | None = None,
         grader: Grader = grade_rlinf,
         reward_fn: str | None = None,
+        *,
+        preload: Sequence[str] | None = None,
     ) -> None:
         if reward_fn is not None and (problem := reward_fn_syntax_problem(reward_fn)):
             raise ConfigError(REWARD_FN_KEY, reward_fn, problem)
@@ -226,9 +250,24 @@ class MathReward:
         self.last_stats: dict[str, float] = {}
         self._workers: list[_Worker] = []
         self._ctx = multiprocessing.get_context("spawn")
+        # A forkserver of this object's own, not multiprocessing's process-wide one, whose
+        # preload list is one per process: several MathRewards of one process (tests) each
+        # import their own grader, and nothing else that forks from a forkserver here shares it.
+        self._server: GradingServer | None = None
+        if forkserver_available():
+            if preload is None:
+                warm = WARM_UP_MODULES.get(grader) if reward_fn is None else None
+                preload = [warm] if warm else []
+            modules = ["rlinf_twoworker.rewards.grading_server", __name__]
+            self._server = GradingServer([*modules, *preload])
+        # A grader or function defined in the main module needs it imported in each process.
+        self._import_main = getattr(grader, "__module__", None) == "__main__" or (
+            reward_fn is not None and reward_fn.partition(":")[0] == "__main__"
+        )
         self._lock = threading.Lock()
-        # The grading processes die when the thread that started them ends (_die_with_parent):
-        # this one lives as long as this object, whichever threads call score() and warm_up().
+        # The grading processes (and their forkserver) die when the thread that started them
+        # ends (_die_with_parent): this one lives as long as this object, whichever threads
+        # call score() and warm_up().
         self._starter = ThreadPoolExecutor(1, thread_name_prefix="math-grader-start")
 
     def score(
@@ -293,8 +332,9 @@ class MathReward:
         with self._lock:
             if self.reward_fn is None:
                 # An answer either grader parses as LaTeX and compares through sympy, so that
-                # each process has imported all it grades with.
-                self._grade_all([("\\boxed{\\frac{1}{2}}", ["\\sqrt{2}"])] * self.num_workers)
+                # each process has imported all it grades with (forked ones have, from their
+                # server's warm-up: this is then a check that each one answers).
+                self._grade_all([WARM_UP_ANSWER] * self.num_workers)
             else:  # each imports the function as it starts; calling it on no data means nothing
                 self._top_up(self.num_workers)
             counts = {"timed_out": 0, "errors": 0}
@@ -304,11 +344,14 @@ class MathReward:
                 self._reap_overdue(counts)
 
     def close(self) -> None:
-        """Stop the grading processes (score() starts new ones if called again)."""
+        """Stop the grading processes and their forkserver (score() starts new ones if called
+        again)."""
         with self._lock:
             for worker in self._workers:
                 worker.stop(kill=worker.task is not None)
             self._workers.clear()
+            if self._server is not None:
+                self._server.stop()
 
     def __enter__(self) -> MathReward:
         return self
@@ -341,7 +384,42 @@ class MathReward:
         """Start workers (lazily, and to replace killed ones) up to num_workers."""
         wanted = min(self.num_workers, backlog + sum(w.task is not None for w in self._workers))
         while len(self._workers) < wanted:
+            self._workers.append(self._start())
+
+    def _start(self) -> _Worker:
+        """A grading process, started from the thread kept for that: forked by the
+        forkserver, or spawned where there is none or it failed to start this one."""
+        if self._server is not None:
             parent, child = self._ctx.Pipe()
+            process = self._server.process(
+                _worker_main,
+                (child, self.grader, None, self.reward_fn),
+                "math-grader",
+                import_main=self._import_main,
+            )
+            try:
+                self._starter.submit(process.start).result(timeout=_STARTUP_TIMEOUT_S)
+                return _Worker(process, parent)
+            except Exception as exc:
+                # The server exited (an import in its preload raised, it was killed) or hangs
+                # in its preload: grade with spawned processes, which report what they meet.
+                parent.close()
+                server, self._server = self._server, None
+                server.stop()  # also ends a start() still waiting for the server's answer
+                logging.getLogger(__name__).warning(
+                    "math reward on %s: its grading processes' forkserver did not start one "
+                    "(%s: %s; the server's own traceback, if any, is in this process's "
+                    "stderr; its preload: %s); spawning them instead, each importing the "
+                    "grader itself",
+                    os.uname().nodename,
+                    type(exc).__name__,
+                    str(exc) or f"no answer within {_STARTUP_TIMEOUT_S:.0f} s",
+                    ", ".join(server.preload),
+                )
+            finally:
+                child.close()
+        parent, child = self._ctx.Pipe()
+        try:
             process = self._ctx.Process(
                 target=_worker_main,
                 args=(child, self.grader, os.getpid(), self.reward_fn),
@@ -349,19 +427,31 @@ class MathReward:
                 name="math-grader",
             )
             self._starter.submit(process.start).result(timeout=_STARTUP_TIMEOUT_S)
+        except BaseException:
+            parent.close()
+            raise
+        finally:
             child.close()
-            self._workers.append(_Worker(process, parent))
+        return _Worker(process, parent)
 
     def _dispatch(self, pending: deque[int], tasks: Sequence[tuple[Any, ...]]) -> None:
-        for worker in self._workers:
+        for worker in list(self._workers):
             if pending and worker.ready and worker.task is None:
-                worker.task = pending.popleft()
-                worker.started = time.monotonic()
+                index = pending.popleft()
                 if self.reward_fn is not None:
-                    worker.conn.send(tasks[worker.task])  # (prompt, answer, row)
+                    task: tuple[Any, ...] = tasks[index]  # (prompt, answer, row)
+                else:
+                    answer, solutions = tasks[index]
+                    task = (answer, list(solutions))
+                try:
+                    worker.conn.send(task)
+                except OSError:
+                    # It died idle (killed; forked ones also with their server): not this
+                    # answer's doing, which goes to another (the next _top_up replaces it).
+                    pending.appendleft(index)
+                    self._drop(worker, kill=True)
                     continue
-                answer, solutions = tasks[worker.task]
-                worker.conn.send((answer, list(solutions)))
+                worker.task, worker.started = index, time.monotonic()
 
     def _collect(self, correct: list[Any], counts: dict[str, int]) -> None:
         """Wait (at most until the nearest deadline) for results and ready signals."""
@@ -422,9 +512,9 @@ class MathReward:
         if not worker.ready:
             raise RewardError(
                 f"a math grading process exited while starting (exit code "
-                f"{worker.process.exitcode}); the grader must be importable in a fresh Python "
-                "process, and its packages (sympy, latex2sympy2, math_verify) installed on this "
-                "node"
+                f"{worker.process.exitcode}); the grader must be importable by its module's "
+                "name in a process started for it, and its packages (sympy, latex2sympy2, "
+                "math_verify) installed on this node"
             )
         counts["errors"] += 1  # its answer stays scored wrong
 

@@ -30,8 +30,9 @@ TIMEOUT = 300
 ANSWER_S = 1.0
 """status() must answer within this (a correctness bound: it reads fields, it waits on nothing)."""
 GRADERS = Path(tempfile.mkdtemp(prefix="rlinf-long-use-"))
-# A grader module the grading processes can import (they are fresh interpreters and unpickle
-# the grader by name): it leaves a marker named by its pid, then grades for two minutes.
+# A grader module the grading processes can import (they unpickle the grader by name; their
+# forkserver does not import it): it leaves a marker named by its pid, then grades for two
+# minutes.
 (GRADERS / "busy").mkdir()
 (GRADERS / "hanging_grader.py").write_text(
     "import os, pathlib, time\n\n\n"
@@ -142,16 +143,43 @@ MathReward(timeout_s=600.0, num_workers=2, grader=grade).score(["1", "2"], [["1"
 """
 
 
-def graders_of(parent: int) -> list[int]:
-    """The busy grading processes whose parent is `parent`."""
-    pids = [int(p.name) for p in (GRADERS / "busy").iterdir()]
-    return [pid for pid in pids if (proc_stat(pid) or ["?", "?"])[1] == str(parent)]
+def parent_of(pid: int) -> int | None:
+    stat = proc_stat(pid)
+    return None if stat is None else int(stat[1])
+
+
+def descends_from(pid: int, holder: int) -> bool:
+    """`pid` is a child of `holder`, or a child's child...: the grading processes are forked
+    by their MathReward's forkserver, itself a child of the process that holds the reward."""
+    while (parent := parent_of(pid)) not in (None, 0, 1):
+        if parent == holder:
+            return True
+        pid = parent
+    return False
+
+
+def graders_of(holder: int) -> list[int]:
+    """The busy grading processes that descend from `holder`."""
+    busy = [int(p.name) for p in (GRADERS / "busy").iterdir()]
+    return [pid for pid in busy if descends_from(pid, holder)]
+
+
+def with_servers(graders: list[int], holder: int) -> list[int]:
+    """`graders` and the processes between them and `holder` (their forkserver): all that must
+    end with `holder`."""
+    between = set()
+    for pid in graders:
+        while (parent := parent_of(pid)) not in (None, 0, 1, holder):
+            between.add(parent)
+            pid = parent
+    return graders + sorted(between)
 
 
 def test_grading_processes_die_with_their_parent_killed_mid_grading():
     """The library's own guarantee, whatever process holds the reward (Ray's per-worker
     process groups also end a killed actor's children, on Ray's default settings): grading
-    processes killed with their parent's SIGKILL while they grade, not left to finish."""
+    processes, and the forkserver they are forked from, killed with their parent's SIGKILL
+    while they grade, not left to finish."""
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(GRADERS)])
     try:
         graders = wait_until(
@@ -159,6 +187,7 @@ def test_grading_processes_die_with_their_parent_killed_mid_grading():
             120,
             "two busy graders",
         )
+        graders = with_servers(graders, parent.pid)
     finally:
         parent.kill()
         parent.wait(timeout=30)
@@ -170,8 +199,8 @@ def test_grading_processes_die_with_their_parent_killed_mid_grading():
 
 
 def test_grading_processes_die_with_a_killed_reward_actor(cluster_2x2, inputs, tmp_path):
-    """SIGKILL of the reward actor while its grading processes grade: none outlives it, and
-    the run fails naming the reward."""
+    """SIGKILL of the reward actor while its grading processes grade: none outlives it (nor
+    their forkserver), and the run fails naming the reward."""
     cfg = demo_config(
         inputs, tmp_path, "orphans", [*ONE_RANK, "runner.timeouts.failure_detection_s=30"]
     )
@@ -179,6 +208,7 @@ def test_grading_processes_die_with_a_killed_reward_actor(cluster_2x2, inputs, t
     wait_until(lambda: components_ready(handle), TIMEOUT, "the components")
     victim = row(handle, "reward", 0)
     graders = wait_until(lambda: graders_of(victim["pid"]), TIMEOUT, "the actor's busy graders")
+    graders = with_servers(graders, victim["pid"])
     try:
         os.kill(victim["pid"], signal.SIGKILL)
         wait_until(lambda: not [p for p in graders if alive(p)], 10, "the graders' end")

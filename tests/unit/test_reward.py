@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator, Sequence
 
+import psutil
 import pytest
 
-from rlinf_twoworker.workers.reward import MathReward, grade_one
+from rlinf_twoworker.rewards import grade_rlinf
+from rlinf_twoworker.workers import reward as reward_module
+from rlinf_twoworker.workers.reward import WARM_UP_MODULES, MathReward, grade_one
 
 HANG = "<hang>"
 BOOM = "<boom>"
@@ -22,6 +31,26 @@ def hang_or_grade(answer: str, solutions: Sequence[str]) -> bool:
     if answer == BOOM:
         raise RuntimeError("grader bug")
     return grade_one(answer, solutions)
+
+
+PRELOADED = ("sympy", "latex2sympy2", WARM_UP_MODULES[grade_rlinf])
+"""What RLinf's grader imports to grade, and its warm-up module (its server's preload)."""
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="grading processes are forked on Linux only"
+)
+
+
+def imports_inherited(answer: str, solutions: Sequence[str]) -> bool:
+    """Test grader: True when this grading process has what RLinf's grader imports, though it
+    never imports anything itself (it grades nothing): it came with its fork, from a server
+    that warmed the grader up. HANG never finishes."""
+    if answer == HANG:
+        time.sleep(600)
+    return all(name in sys.modules for name in PRELOADED)
+
+
+def parent_of(pid: int) -> int:
+    return psutil.Process(pid).ppid()
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +162,121 @@ def test_a_score_during_the_warm_up_waits_for_it_and_keeps_its_own_stats():
         assert not warming.is_alive()
         assert (stats["correct"], stats["wrong"], stats["errors"]) == (1, 1, 0)
         assert len(grader._workers) == 2 and all(w.ready for w in grader._workers)
+
+
+@linux_only
+def test_grading_processes_are_forks_of_a_server_that_imported_the_grader_replacements_too():
+    """The first grading process and the one that replaces it after a timeout are both forked
+    from this MathReward's server, with the grader's modules imported there once."""
+    warm = WARM_UP_MODULES[grade_rlinf]
+    with MathReward(timeout_s=2.0, num_workers=1, grader=imports_inherited, preload=[warm]) as r:
+        r.warm_up()
+        assert r._server is not None and r._server.pid is not None
+        server = r._server.pid
+        assert parent_of(server) == os.getpid()
+        (first,) = [w.process.pid for w in r._workers]
+        assert parent_of(first) == server
+        assert r.score(["a"], [["1"]]) == [5.0]
+        # One process: the answer after the stuck one is graded by its replacement.
+        assert r.score([HANG, "b"], [["1"], ["1"]]) == [-5.0, 5.0]
+        assert r.last_stats["timed_out"] == 1
+        (second,) = [w.process.pid for w in r._workers]
+        assert second != first and parent_of(second) == server
+    assert not psutil.pid_exists(server)  # close() ends the server too
+
+
+@linux_only
+def test_a_killed_server_is_started_again_and_its_dead_processes_replaced():
+    """The server killed (as by the OOM killer) ends its idle grading processes with it: the
+    next call starts a new server, forks new processes and grades every answer."""
+    with MathReward(num_workers=2, timeout_s=30.0) as r:
+        r.warm_up()
+        assert r._server is not None and r._server.pid is not None
+        server, before = r._server.pid, {w.process.pid for w in r._workers}
+        os.kill(server, signal.SIGKILL)
+        wait_until_gone = time.monotonic() + 10
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in before):
+            assert time.monotonic() < wait_until_gone, "the server's processes outlived it"
+            time.sleep(0.05)
+        assert r.score(["\\boxed{2}", "\\boxed{3}"], [["2"], ["4"]]) == [5.0, -5.0]
+        assert r.last_stats["errors"] == 0
+        assert r._server.pid not in (None, server)
+        assert not before & {w.process.pid for w in r._workers}
+
+
+@linux_only
+def test_spawned_grading_processes_import_the_grader_themselves(monkeypatch):
+    """The control of the test above: where no server is used, imports_inherited says no."""
+    monkeypatch.setattr(reward_module, "forkserver_available", lambda: False)
+    with MathReward(timeout_s=30.0, num_workers=1, grader=imports_inherited) as r:
+        assert r._server is None
+        assert r.score(["a"], [["1"]]) == [-5.0]
+        assert parent_of(r._workers[0].process.pid) == os.getpid()
+
+
+def test_each_configuration_preloads_its_own_grader_and_never_a_reward_fn():
+    """Servers are per MathReward, so two in one process import each its own grader."""
+    if not sys.platform.startswith("linux"):
+        assert MathReward()._server is None
+        return
+    # Made, not started: no process, no server yet.
+    default, math_verify = MathReward(), MathReward(grader=grade_one)
+    function = MathReward(reward_fn="test_reward:imports_inherited")
+    assert default._server is not None and math_verify._server is not None
+    assert function._server is not None
+    assert default._server.preload[-1] == WARM_UP_MODULES[grade_rlinf]
+    assert math_verify._server.preload[-1] == WARM_UP_MODULES[grade_one]
+    assert not any("warm" in m or "test_reward" in m for m in function._server.preload)
+
+
+@linux_only
+def test_a_server_that_fails_to_start_a_process_gives_way_to_spawned_ones(
+    tmp_path, monkeypatch, caplog
+):
+    """A preload module that raises ends the server: grading goes on in spawned processes,
+    with a warning that names what happened."""
+    (tmp_path / "raising_preload.py").write_text("raise RuntimeError('no')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    with (
+        caplog.at_level(logging.WARNING, logger=reward_module.__name__),
+        MathReward(num_workers=1, timeout_s=30.0, preload=["raising_preload"]) as r,
+    ):
+        assert r.score(["\\boxed{2}"], [["2"]]) == [5.0]
+        assert r._server is None
+        assert parent_of(r._workers[0].process.pid) == os.getpid()
+    assert "forkserver did not start one" in caplog.text
+    assert "raising_preload" in caplog.text
+
+
+MAIN = textwrap.dedent(
+    """
+    import os, pathlib, sys
+    pathlib.Path(sys.argv[1], str(os.getpid())).touch()  # each import of this module: a marker
+    from rlinf_twoworker.workers.reward import MathReward
+
+    def odd(answer, solutions):
+        return int(answer) % 2 == 1
+
+    if __name__ == "__main__":
+        with MathReward(num_workers=2, grader=odd) as reward:
+            reward.warm_up()  # both processes started
+            print(reward.score(["1", "2"], [["-"], ["-"]]), len(os.listdir(sys.argv[1])))
+        with MathReward(num_workers=2) as reward:
+            reward.warm_up()
+            print(reward.score(["\\\\boxed{2}"] * 2, [["2"]] * 2), len(os.listdir(sys.argv[1])))
+    """
+)
+
+
+@linux_only
+def test_grading_processes_import_the_main_module_only_for_a_grader_defined_there(tmp_path):
+    """A script's grader works as with spawned processes, which import the main module; with
+    a grader of its own module a process skips it (a Ray worker's main imports ray)."""
+    script, markers = tmp_path / "main.py", tmp_path / "markers"
+    script.write_text(MAIN)
+    markers.mkdir()
+    run = subprocess.run(
+        [sys.executable, str(script), str(markers)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:2] == ["[5.0, -5.0] 3", "[5.0, 5.0] 3"], run.stdout
