@@ -47,6 +47,7 @@ from rlinf_twoworker.errors import RunCancelledError, TwoWorkerError
 from rlinf_twoworker.results import CheckpointInfo, StepResult
 from rlinf_twoworker.run import lifecycle
 from rlinf_twoworker.run.group import ComponentGroup
+from rlinf_twoworker.run.head_start import RunHeadStart
 from rlinf_twoworker.run.liveness import Watch, liveness_error, root_cause
 from rlinf_twoworker.run.observers import (
     MemoryMetrics,
@@ -163,6 +164,8 @@ class RunController:
         self.val_samples: list[Any] = []
         self.total_steps = self.cfg.runner.max_steps  # lowered by max_epochs once data is read
         self.group: ComponentGroup | None = None
+        self.head_start: RunHeadStart | None = None
+        """The components' head start (run/head_start.py), attached to the group by _setup."""
         self.watch: Watch | None = None
         self.pg: Any = None
         self.callers_group = callers_group
@@ -354,6 +357,8 @@ class RunController:
             self.cfg, self.run_id, self.cfg.placement, self.pg, self.classes, bundle_nodes=places
         )
         self.group, self.watch = group, Watch(group)  # set first: release, watchdog find it
+        # Imports ahead of each load, the compile cache, the grading processes (head_start.py).
+        self.head_start = RunHeadStart(group)
         self.components_began = time.time()
         group.start()
         # Then the threads: their imports (torch, transformers) hold the interpreter for seconds.
@@ -380,7 +385,9 @@ class RunController:
         # Records only: beside the process groups and the sync, not before them (a
         # component answers after its preparation, which the sync does not wait for).
         recorded = background(
-            lifecycle.log_startup(group, self.cfg, clock, self.log, self.components_began)
+            lifecycle.log_startup(
+                group, self.cfg, clock, self.log, self.components_began, self.head_start
+            )
         )
         if self.cfg.runner.per_worker_log:
             await lifecycle.attach_worker_logs(group, self.cfg, self.run_dir)
@@ -654,7 +661,7 @@ class RunController:
         """The run loop's observers, in the order it calls them (run/observers.py), with the
         metric loggers runner.logger.logger_backends adds (run/metric_loggers.py)."""
         observers = [
-            StartupRecord(group, self.cfg, self.clock, self.log, self.warm_up),
+            StartupRecord(group, self.cfg, self.clock, self.log, self.warm_up, self.head_start),
             MemoryMetrics(group, self.cfg),
             StepLine(self.log, self.total_steps),  # before the step's scalars are written
             TensorBoard(self.io, self.cfg, self.total_steps),

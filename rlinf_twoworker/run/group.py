@@ -33,7 +33,7 @@ from rlinf_twoworker.results import Placed
 from rlinf_twoworker.run.head_start import HeadStart
 from rlinf_twoworker.run.liveness import is_death, short_reason
 from rlinf_twoworker.run.tasks import background
-from rlinf_twoworker.workers.contract import PREPARATIONS, Process
+from rlinf_twoworker.workers.contract import Process
 
 R = TypeVar("R")
 
@@ -45,8 +45,6 @@ class Member:
     where: dict[str, Any]
     ready_at: float | None = None
     """time.time() when its model load (its class's constructor) had finished."""
-    imported: asyncio.Future | None = None
-    """Its `import_ahead` call, made once it has answered (`wait_placed`)."""
 
 
 class ComponentHost:
@@ -214,8 +212,11 @@ class ComponentGroup:
         self.members: dict[str, list[Member]] = {}
         self.timeouts = cfg.runner.timeouts
         self.stopping = False
-        self.preparing: list[tuple[Member, asyncio.Future]] = []
-        """Preparation calls in flight (start_preparing), awaited after step 1."""
+        self.on_placed: list[Callable[[Member], None]] = []
+        """Called with each member once it has answered where it runs (`wait_placed`)."""
+        self.on_loaded: list[Callable[[Member], None]] = []
+        """Called with each member once its model is loaded (`load`). The run's head start
+        (run/head_start.RunHeadStart) makes its calls from these."""
         self.behind: list[asyncio.Future] = []
         """Calls nothing waits for yet (call_behind), awaited by `settle`."""
 
@@ -245,18 +246,15 @@ class ComponentGroup:
         )
 
     async def wait_placed(self) -> dict[int, list[str]]:
-        """Every member's first answer: where it runs, with the GPUs Ray gave it. Each then
-        imports what its model load will (`import_ahead`, not awaited). Returns each bundle's
-        GPU ids held by its members (Ray's ids)."""
+        """Every member's first answer: where it runs, with the GPUs Ray gave it (each then
+        goes to `on_placed`). Returns each bundle's GPU ids held by its members (Ray's ids)."""
 
         async def answered(member: Member) -> dict[str, Any]:
             where = await self.call(
                 member, Process.where, timeout=self.timeouts.actor_start_s, stage="start"
             )
-            call = self.call(
-                member, Process.import_ahead, timeout=self.timeouts.actor_start_s, stage="start"
-            )
-            member.imported = background(call)
+            for hook in self.on_placed:
+                hook(member)
             return where
 
         members = self.all()
@@ -279,48 +277,22 @@ class ComponentGroup:
 
     async def load(self) -> None:
         """Every member's model load (its class's constructor), all at once, with the run's
-        config as it is now (the memory plan's choices in it); each one's preparation starts
-        as soon as its load is done, while the others still load."""
+        config as it is now (the memory plan's choices in it); each member goes to
+        `on_loaded` as soon as its load is done, while the others still load."""
 
         async def loaded(member: Member) -> dict[str, Any]:
             where = await self.call(
                 member, Process.load, self.cfg, timeout=self.timeouts.actor_start_s, stage="start"
             )
             member.ready_at = time.time()
-            self.start_preparing([member])
+            for hook in self.on_loaded:
+                hook(member)
             return where
 
         members = self.all()
         wheres = await gather_fail_fast([loaded(m) for m in members])
         for member, where in zip(members, wheres):
             member.where = where
-
-    async def imported_ahead(self) -> list[tuple[Member, dict[str, Any]]]:
-        """The answers of the members' `import_ahead` calls (done before their loads)."""
-        members = [m for m in self.all() if m.imported is not None]
-        answers = await gather_fail_fast([m.imported for m in members if m.imported])
-        return list(zip(members, answers))
-
-    def start_preparing(self, members: list[Member]) -> None:
-        """Make each member's preparation call (components.Component.prepare: the compiler's
-        imports and cache, the reward's grading processes) now, without waiting, as soon as
-        its constructor is done: it is done before the member's first call of the step that
-        needs it, and meanwhile the others go on loading (`prepared` collects the answers)."""
-        for member in members:
-            call = self.call(
-                member,
-                PREPARATIONS[self.table[member.slot.component].prepare],
-                timeout=self.timeouts.actor_start_s,
-                stage="preparation",
-            )
-            task = background(call)  # read later
-            self.preparing.append((member, task))
-
-    async def prepared(self) -> list[tuple[Member, Any]]:
-        """The answers of every preparation started so far (a failure raises)."""
-        started, self.preparing = self.preparing, []
-        answers = await gather_fail_fast([task for _, task in started])
-        return [(member, answer) for (member, _), answer in zip(started, answers)]
 
     def all(self) -> list[Member]:
         return [m for ms in self.members.values() for m in ms]

@@ -1,6 +1,8 @@
 """A component process's head start: what makes it ready sooner, and nothing it needs to be
-correct. Its process (run/group.ComponentHost) calls it at three points; the workers know
-nothing of it.
+correct. The run's set-up attaches it to its components with one call (`RunHeadStart(group)`,
+run/controller.py), which asks each process for it; the process's host
+(run/group.ComponentHost) runs it (`HeadStart`) at three points; the workers know nothing of
+it.
 
     import_ahead   beside the preflight, before the model load: the worker's module (torch)
                    and what loading the model will import (transformers' classes, the
@@ -13,6 +15,8 @@ nothing of it.
     save           after a compiled step: what was compiled since the last save, back to the
                    shared compile cache
 
+The run also asks the reward, once it is built, to start its grading processes (its row's
+`prepare`: warm_up_grader), which it would otherwise start on the first step's answers.
 Without these calls a component imports on first use, compiles from scratch and keeps
 nothing: the same run, started more slowly. The run's other start-up measures sit beside
 this, each in one place: Ray's preloaded workers (rlinf_twoworker.preload), the compile
@@ -23,12 +27,18 @@ No torch at import: the process imports this before its first import of it.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlinf_twoworker import bytecode, components
+from rlinf_twoworker.run.tasks import background
+from rlinf_twoworker.workers.contract import PREPARATIONS, Process
+
+if TYPE_CHECKING:
+    from rlinf_twoworker.run.group import ComponentGroup, Member
 
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx")
 """torch.compile's stack (seconds of Python), imported before the process compiles."""
@@ -44,6 +54,53 @@ def _import_compiler_quietly() -> None:
         import_compiler()
     except Exception:  # `prepare` imports them again and raises with the context
         pass
+
+
+class RunHeadStart:
+    """The run's side: attached to its ComponentGroup, it asks each process to import ahead
+    as soon as the process has answered where it runs (beside the preflight), and to prepare
+    (its row's `prepare`) as soon as its model is loaded, while the others still load; each
+    call is made then and awaited later. `imported` and `prepared` give their answers to the
+    start-up record (run/lifecycle.py)."""
+
+    def __init__(self, group: ComponentGroup) -> None:
+        self.group = group
+        self.importing: list[tuple[Member, asyncio.Future]] = []
+        self.preparing: list[tuple[Member, asyncio.Future]] = []
+        group.on_placed.append(self._import_ahead)
+        group.on_loaded.append(self._prepare)
+
+    def _import_ahead(self, member: Member) -> None:
+        call = self.group.call(
+            member, Process.import_ahead, timeout=self.group.timeouts.actor_start_s, stage="start"
+        )
+        self.importing.append((member, background(call)))
+
+    def _prepare(self, member: Member) -> None:
+        row = self.group.table[member.slot.component]
+        call = self.group.call(
+            member,
+            PREPARATIONS[row.prepare],
+            timeout=self.group.timeouts.actor_start_s,
+            stage="preparation",
+        )
+        self.preparing.append((member, background(call)))
+
+    async def imported(self) -> list[tuple[Member, dict[str, Any]]]:
+        """Every process's import_ahead answer (done before its load)."""
+        return await _answers(self.importing)
+
+    async def prepared(self) -> list[tuple[Member, Any]]:
+        """The answers of every preparation started since the last call (a failure raises)."""
+        started, self.preparing = self.preparing, []
+        return await _answers(started)
+
+
+async def _answers(calls: list[tuple[Member, asyncio.Future]]) -> list[tuple[Member, Any]]:
+    from rlinf_twoworker.run.group import gather_fail_fast
+
+    answers = await gather_fail_fast([future for _, future in calls])
+    return [(member, answer) for (member, _), answer in zip(calls, answers)]
 
 
 class HeadStart:

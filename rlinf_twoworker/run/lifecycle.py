@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.run.group import ComponentGroup, Member
+from rlinf_twoworker.run.head_start import RunHeadStart
 from rlinf_twoworker.run.startup import StartupClock
 from rlinf_twoworker.storage.rundir import RunLog
 from rlinf_twoworker.workers.contract import Policy, Process, Trainer
@@ -58,7 +59,12 @@ async def join_process_groups(group: ComponentGroup, cfg: GRPOConfig, clock: Sta
 
 
 async def log_startup(
-    group: ComponentGroup, cfg: GRPOConfig, clock: StartupClock, log: RunLog, began: float
+    group: ComponentGroup,
+    cfg: GRPOConfig,
+    clock: StartupClock,
+    log: RunLog,
+    began: float,
+    head: RunHeadStart | None,
 ) -> None:
     """Each component's start-up into the record: spawn (the controller's request, at wall
     clock `began`, to its process's first answer: run/group.ComponentHost), import_ahead (the
@@ -68,7 +74,7 @@ async def log_startup(
     answers = await _ask_all(
         group, Process.startup_report, cfg.runner.timeouts.actor_start_s, "start-up report"
     )
-    ahead = {id(m): answer for m, answer in await group.imported_ahead()}
+    ahead = {id(m): answer for m, answer in (await head.imported() if head else [])}
     for member, report in answers:
         who = f"{member.slot.component}:{member.slot.rank}"
         # spawn is the process's start and imports; on two nodes it mixes their wall clocks.
@@ -117,11 +123,11 @@ def spawn_parts(report: dict[str, Any], requested: float) -> dict[str, float]:
     }
 
 
-async def prepared(group: ComponentGroup, clock: StartupClock, log: RunLog) -> None:
-    """Wait for every component's preparation (started by the group); record its seconds
-    (compiler_imports/<c>:<r>, cache_load/<c>:<r>, grader_start/reward:<r>) and log its
-    cache lines."""
-    for member, answer in await group.prepared():
+async def prepared(head: RunHeadStart | None, clock: StartupClock, log: RunLog) -> None:
+    """Wait for every component's preparation (started by the run's head start); record its
+    seconds (compiler_imports/<c>:<r>, cache_load/<c>:<r>, grader_start/reward:<r>) and log
+    its cache lines."""
+    for member, answer in await head.prepared() if head else []:
         who = f"{member.slot.component}:{member.slot.rank}"
         for part, seconds in answer["seconds"].items():
             clock.record(f"{part}/{who}", seconds)

@@ -21,6 +21,7 @@ from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.results import StepResult
 from rlinf_twoworker.run import lifecycle, ray_metrics
 from rlinf_twoworker.run.group import ComponentGroup
+from rlinf_twoworker.run.head_start import RunHeadStart
 from rlinf_twoworker.run.startup import StartupClock
 from rlinf_twoworker.run.storage_io import StorageIO
 from rlinf_twoworker.storage.metrics import MetricsWriter
@@ -57,9 +58,16 @@ class StartupRecord(RunObserver):
     kernels a step compiled to the shared compile cache (runner.compile_cache_root, on GPUs)."""
 
     def __init__(
-        self, group: ComponentGroup, cfg: GRPOConfig, clock: StartupClock, log: RunLog, warm_up: Any
+        self,
+        group: ComponentGroup,
+        cfg: GRPOConfig,
+        clock: StartupClock,
+        log: RunLog,
+        warm_up: Any,
+        head: RunHeadStart | None,
     ) -> None:
         self.group, self.cfg, self.clock, self.log, self.warm_up = group, cfg, clock, log, warm_up
+        self.head = head
         self.first: int | None = None
 
     async def step_begins(self, step: int) -> None:
@@ -70,7 +78,7 @@ class StartupRecord(RunObserver):
     async def step_trained(self, step: int, result: StepResult) -> None:
         first = step == self.first
         if first:  # done before the step's compiled calls; recorded now
-            await lifecycle.prepared(self.group, self.clock, self.log)
+            await lifecycle.prepared(self.head, self.clock, self.log)
             await self.warm_up.finish(self.clock, self.log)
         cfg = self.cfg
         if cfg.compile_cache_root is not None and cfg.cluster.accelerator == "cuda":
