@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
@@ -31,8 +31,8 @@ from rlinf_twoworker.config.placement import Placement, Slot
 from rlinf_twoworker.errors import ComponentError
 from rlinf_twoworker.results import Placed
 from rlinf_twoworker.run.head_start import HeadStart
-from rlinf_twoworker.run.liveness import is_death, short_reason
-from rlinf_twoworker.run.tasks import background
+from rlinf_twoworker.run.liveness import short_reason
+from rlinf_twoworker.run.tasks import background, gather_fail_fast
 from rlinf_twoworker.workers.contract import Process
 
 R = TypeVar("R")
@@ -467,20 +467,3 @@ class ComponentGroup:
 def _gpu_order(gpu_id: str) -> tuple[int, str]:
     """Numeric ids in numeric order (10 after 9); UUIDs after them, by name."""
     return (int(gpu_id), "") if gpu_id.isdigit() else (1 << 30, gpu_id)
-
-
-async def gather_fail_fast(calls: Sequence[Awaitable[Any]]) -> list[Any]:
-    """Await all calls; at the first failure stop waiting on the others and raise it (a death
-    first, when several failed together). asyncio.gather would leave the others running."""
-    tasks = [asyncio.ensure_future(c) for c in calls]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for task in tasks:
-            task.cancel()  # a no-op for finished ones
-    failed = [
-        exc for t in tasks if t.done() and not t.cancelled() and (exc := t.exception()) is not None
-    ]
-    if failed:
-        raise min(failed, key=lambda exc: not is_death(exc.__cause__))
-    return [t.result() for t in tasks]

@@ -31,14 +31,15 @@ import asyncio
 import importlib
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlinf_twoworker import bytecode, components
-from rlinf_twoworker.run.tasks import background
+from rlinf_twoworker.run.tasks import background, gather_fail_fast
 from rlinf_twoworker.workers.contract import PREPARATIONS, Process
 
-if TYPE_CHECKING:
-    from rlinf_twoworker.run.group import ComponentGroup, Member
+Member = Any
+"""A member of the run's ComponentGroup (run/group.Member); named in words here, since the
+group's module imports this one for its processes' side."""
 
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor.compile_fx")
 """torch.compile's stack (seconds of Python), imported before the process compiles."""
@@ -63,7 +64,9 @@ class RunHeadStart:
     call is made then and awaited later. `imported` and `prepared` give their answers to the
     start-up record (run/lifecycle.py)."""
 
-    def __init__(self, group: ComponentGroup) -> None:
+    def __init__(self, group: Any) -> None:
+        """`group`: the run's run/group.ComponentGroup (its on_placed and on_loaded hooks, its
+        component table, timeouts and `call`)."""
         self.group = group
         self.importing: list[tuple[Member, asyncio.Future]] = []
         self.preparing: list[tuple[Member, asyncio.Future]] = []
@@ -97,8 +100,6 @@ class RunHeadStart:
 
 
 async def _answers(calls: list[tuple[Member, asyncio.Future]]) -> list[tuple[Member, Any]]:
-    from rlinf_twoworker.run.group import gather_fail_fast
-
     answers = await gather_fail_fast([future for _, future in calls])
     return [(member, answer) for (member, _), answer in zip(calls, answers)]
 

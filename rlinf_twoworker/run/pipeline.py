@@ -32,7 +32,8 @@ from rlinf_twoworker.run.chunks import (
     chunk_advantages,
     chunk_shards,
 )
-from rlinf_twoworker.run.group import ComponentGroup, gather_fail_fast
+from rlinf_twoworker.run.group import ComponentGroup
+from rlinf_twoworker.run.tasks import gather_fail_fast
 from rlinf_twoworker.workers import contract
 
 

@@ -20,8 +20,9 @@ from rlinf_twoworker.engines.models import dtype_for
 from rlinf_twoworker.messages import PromptRow
 from rlinf_twoworker.results import StepResult
 from rlinf_twoworker.run.chunks import plan_chunks, split_for_actors
-from rlinf_twoworker.run.group import ComponentGroup, gather_fail_fast
+from rlinf_twoworker.run.group import ComponentGroup
 from rlinf_twoworker.run.pipeline import Marks, Ran, generate, grade, run_pipelined, run_sequential
+from rlinf_twoworker.run.tasks import gather_fail_fast
 from rlinf_twoworker.workers.contract import Policy, PolicyCopy, Trainer
 
 __all__ = [
