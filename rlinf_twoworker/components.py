@@ -127,9 +127,14 @@ def by_name(name: str) -> Component:
     return next(c for c in TABLE if c.name == name)
 
 
-def runs_model(name: str) -> bool:
-    """Whether component `name` loads a model (its row names a model section)."""
-    return any(c.name == name and c.model_section is not None for c in TABLE)
+def model_section(cfg: Any, name: str) -> Any | None:
+    """The config section whose model component `name` loads (its row's `model_section`);
+    None for a component without a model (the reward), or a config without that section (a
+    stand-in worker's, in tests)."""
+    row = next((c for c in TABLE if c.name == name), None)
+    if row is None or row.model_section is None:
+        return None
+    return getattr(cfg, row.model_section, None)
 
 
 def in_run(cfg: GRPOConfig) -> list[Component]:

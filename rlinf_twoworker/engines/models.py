@@ -73,20 +73,19 @@ def model_dir_problem(path: str | Path) -> str | None:
     return None
 
 
-def preimport_model(path: str | Path, modules: tuple[str, ...] = ()) -> list[str]:
+def preimport_model(path: str | Path) -> list[str]:
     """Import what loading the causal LM in `path` will import (transformers' auto classes,
-    the model family's module) and `modules`, without reading any weight: a component does
+    the model family's module), without reading any weight: a component does
     this while the preflight runs, so its model load after the memory plan only loads.
     Returns the modules it could not import (the load reports them as errors)."""
     import importlib
     import json
 
     missing = []
-    for name in ("transformers", *modules):
-        try:
-            importlib.import_module(name)
-        except Exception:  # the real import, later, raises with its context
-            missing.append(name)
+    try:
+        importlib.import_module("transformers")
+    except Exception:  # the real import, later, raises with its context
+        missing.append("transformers")
     try:
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401

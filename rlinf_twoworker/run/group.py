@@ -67,7 +67,11 @@ class ComponentHost:
         self._load_began: float | None = None
         self._cls: type | None = None
         self._worker: Any = None
-        self._head = HeadStart(cfg, self.COMPONENT, rank)
+        self._section = components.model_section(cfg, self.COMPONENT)
+        """The config section of the model its worker loads (None: none)."""
+        self._cuda = getattr(getattr(cfg, "cluster", None), "accelerator", None) == "cuda"
+        """Whether the run is on GPUs (read leniently: test_group's stand-in configs)."""
+        self._head = HeadStart(cfg, f"{self.COMPONENT}:{rank}", self._section, self._cuda)
         """Its head start (run/head_start.py): imports ahead, the compiler's cache."""
 
     def _class(self) -> type:
@@ -97,9 +101,7 @@ class ComponentHost:
         memory, and on a GPU the peaks PyTorch saw where its worker runs a model."""
         from rlinf_twoworker.workers.process import process_memory
 
-        cfg = self._args[0]
-        cuda = getattr(getattr(cfg, "cluster", None), "accelerator", None) == "cuda"
-        return process_memory(gpu=cuda and components.runs_model(self.COMPONENT))
+        return process_memory(gpu=self._cuda and self._section is not None)
 
     def attach_log(self, path: str) -> None:
         """runner.per_worker_log: this process also logs to `path`."""

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any
 
-from rlinf_twoworker import bytecode, components
+from rlinf_twoworker import bytecode
 from rlinf_twoworker.run.tasks import background, gather_fail_fast
 from rlinf_twoworker.workers.contract import PREPARATIONS, Process
 
@@ -105,10 +105,13 @@ async def _answers(calls: list[tuple[Member, asyncio.Future]]) -> list[tuple[Mem
 
 
 class HeadStart:
-    """The head start of one component process (`cfg`, `component`, `rank`)."""
+    """The head start of one component process (`who`: 'component:rank'), given its host's
+    facts: `section`, the config section of the model its worker loads (None: none), and
+    whether it runs on a GPU (`cuda`)."""
 
-    def __init__(self, cfg: Any, component: str, rank: int) -> None:
-        self.cfg, self.component, self.who = cfg, component, f"{component}:{rank}"
+    def __init__(self, cfg: Any, who: str, section: Any | None, cuda: bool) -> None:
+        self.cfg, self.who, self.section, self.cuda = cfg, who, section, cuda
+        self.component = who.split(":")[0]
         self.compiler_imports: threading.Thread | None = None
         """The thread importing COMPILER_MODULES (GPUs; started by `import_ahead`)."""
         self.cache: Any = None
@@ -116,15 +119,8 @@ class HeadStart:
         `prepare` on GPUs."""
 
     @property
-    def _cuda(self) -> bool:
-        return getattr(getattr(self.cfg, "cluster", None), "accelerator", "cpu") == "cuda"
-
     def _model_path(self) -> str | None:
-        """The model its worker loads; None for a component without one (the reward), or a
-        config without its section (a stand-in worker's, in tests)."""
-        row = next((c for c in components.TABLE if c.name == self.component), None)
-        section = getattr(self.cfg, row.model_section, None) if row and row.model_section else None
-        return getattr(getattr(section, "model", None), "model_path", None)
+        return getattr(getattr(self.section, "model", None), "model_path", None)
 
     def import_ahead(self, worker_class: Any) -> dict[str, Any]:
         """Import the worker's module (`worker_class()`, which imports it) and what its model
@@ -138,12 +134,12 @@ class HeadStart:
         missing: list[str] = []
         with bytecode.bulk_imports():  # no cyclic collection while torch and the model import
             cache.guarded(worker_class, self.who)  # the worker's module: torch, the engines
-            path = self._model_path()
+            path = self._model_path
             if path:
                 from rlinf_twoworker.engines.models import preimport_model
 
                 missing = cache.guarded(lambda: preimport_model(path), self.who)
-        if self._cuda and self.compiler_imports is None:  # needed only after the load
+        if self.cuda and self.compiler_imports is None:  # needed only after the load
             self.compiler_imports = threading.Thread(
                 target=_import_compiler_quietly, name="compiler-imports", daemon=True
             )
@@ -158,15 +154,15 @@ class HeadStart:
         """On GPUs, once the model is loaded: torch.compile's imports done and this
         component's compile-cache entry loaded, before it compiles. Returns its seconds by
         part and its cache lines (none on a CPU, or a second time)."""
-        path = self._model_path()
-        if not self._cuda or self.cache is not None or path is None:
+        path = self._model_path
+        if not self.cuda or self.cache is not None or path is None:
             return {"seconds": {}, "cache": []}
         start = time.perf_counter()
         if self.compiler_imports is not None:  # usually done by now
             self.compiler_imports.join()
         import_compiler()
         imported = time.perf_counter()
-        self.cache = _cache_entry(self.cfg, self.component, path)
+        self.cache = _cache_entry(self.cfg, self.component, self.section, path)
         event = self.cache.load()
         return {
             "seconds": {
@@ -190,15 +186,15 @@ class HeadStart:
         }
 
 
-def _cache_entry(cfg: Any, component: str, path: str) -> Any:
-    """The compile-cache entry of `component` for the model at `path`, in the dtype and on the
-    device its worker loads it with (compile_cache.cache_key)."""
+def _cache_entry(cfg: Any, component: str, section: Any, path: str) -> Any:
+    """The compile-cache entry of `component` for the model at `path`, in the dtype (its
+    `section`'s precision) and on the device its worker loads it with
+    (compile_cache.cache_key)."""
     from transformers import AutoConfig
 
     from rlinf_twoworker.engines.compile_cache import CompileCache, cache_key
     from rlinf_twoworker.engines.models import device_for, dtype_for
 
-    section = getattr(cfg, str(components.by_name(component).model_section))
     device = device_for(cfg.cluster.accelerator)
     config = AutoConfig.from_pretrained(path).to_dict()
     key = cache_key(config, dtype_for(section.model.precision, device), device)

@@ -216,7 +216,7 @@ def test_import_ahead_leaves_the_compiler_to_a_thread_on_gpus_only(tmp_path):
         "from rlinf_twoworker.config import GRPOConfig, to_typed\n"
         "from rlinf_twoworker.run import head_start\n"
         "cfg = to_typed(OmegaConf.merge(OmegaConf.structured(GRPOConfig), json.loads(sys.argv[1])))\n"
-        "head = head_start.HeadStart(cfg, 'inference', 0)\n"
+        "head = head_start.HeadStart(cfg, 'inference:0', cfg.inference, cfg.cluster.accelerator == 'cuda')\n"
         "from rlinf_twoworker.components import named\n"
         "worker = lambda: named('rlinf_twoworker.workers.inference:InferenceWorker')\n"
         "answer = head.import_ahead(worker)\n"
