@@ -210,6 +210,7 @@ class StaticSampler:
         self.valid = torch.zeros(b, self.max_len, dtype=torch.bool, device=dev)
         self.tok, self.pos = longs(b, 1), longs(b, 1)
         self.col = longs(b, 1)  # the cache column of the slot's next key
+        self.rows = torch.arange(b, device=dev)  # each slot's row of the cache
         self.step = longs(b, 1)  # the answer position the slot emits next
         self.done = torch.ones(b, dtype=torch.bool, device=dev)
         self.out = longs(b, self.max_len)
@@ -239,14 +240,34 @@ class StaticSampler:
         self, kern: Kernels, index: int, h: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated q [B, H, T, D], k and v [B, KV, T, D] of hidden states h [B, T, hidden]."""
+        qkv, dims, norms = self._projection(index, h)
+        if norms is None:
+            return kern.split_rope(qkv, *rotary, *dims)
+        return kern.split_norm_rope(qkv, *rotary, *dims, *norms)  # Qwen3
+
+    def _q_stored(
+        self, kern: Kernels, index: int, h: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """A decode step's rotated q [B, H, 1, D]; its k and v written to each slot's cache
+        column (self.col) in the same kernel."""
+        qkv, dims, norms = self._projection(index, h)
+        cache = (self.k[index], self.v[index], self.rows, self.col.view(-1))
+        if norms is None:
+            return kern.rope_store(*cache, qkv, *rotary, *dims)
+        return kern.norm_rope_store(*cache, qkv, *rotary, *dims, *norms)  # Qwen3
+
+    def _projection(
+        self, index: int, h: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[int, int, int], tuple[Any, ...] | None]:
+        """The fused q/k/v projection of h, the head counts, and Qwen3's q/k norms (None:
+        the family has none)."""
         fused = self.fused[index]
         qkv = F.linear(h, fused.qkv_weight, fused.qkv_bias)
         attn = self.layers[index].self_attn
         dims = (self.heads, self.kv_heads, self.head_dim)
         if getattr(attn, "q_norm", None) is None:
-            return kern.split_rope(qkv, *rotary, *dims)
-        norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon)
-        return kern.split_norm_rope(qkv, *rotary, *dims, *norms)  # Qwen3
+            return qkv, dims, None
+        return qkv, dims, (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon)
 
     def _attention(
         self,
@@ -261,9 +282,9 @@ class StaticSampler:
         a decode step's over every slot (`slots` None, `mask`: additive [B, 1, 1, W] bias over
         the first W cache columns, the only ones it reads)."""
         b, t, _ = h.shape
-        q, k, v = self._qkv(kern, index, h, rotary)
         keys, values = self.k[index], self.v[index]
         if slots is not None:
+            q, k, v = self._qkv(kern, index, h, rotary)
             # A new prompt attends to itself only: the slot's later columns belong to the
             # answer that left it, and are masked until this row writes them.
             keys[slots, :, :t] = k
@@ -273,10 +294,8 @@ class StaticSampler:
             )
             out = out.transpose(1, 2).reshape(b, t, -1)
         else:
-            # Each slot's key goes to its own column: a scatter, graph-safe (no host sync).
-            at = self.col.view(b, 1, 1, 1).expand(b, self.kv_heads, 1, self.head_dim)
-            keys.scatter_(2, at, k)
-            values.scatter_(2, at, v)
+            # Each slot's key goes to its own column, graph-safe (no host sync).
+            q = self._q_stored(kern, index, h, rotary)
             # Only the first W columns hold a live key (the caller's bound), so only they are
             # read: a view, no copy. One query per row: group the query heads of each KV head,
             # so the cache is read where it lies instead of being repeated per query head.

@@ -66,6 +66,60 @@ def split_norm_rope(
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
 
+def _store_step(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    col: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """A decode step's keys and values [B, KV, 1, D] into the caches [B, KV, L, D], row b's at
+    its column col[b]: an index_put, which the compiler does in place and fuses with the
+    rotary that made them (one kernel instead of the rotary and two scatters)."""
+    keys[rows, :, col] = k[:, :, 0]
+    values[rows, :, col] = v[:, :, 0]
+
+
+def rope_store(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    col: torch.Tensor,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+) -> torch.Tensor:
+    """A decode step's split_rope with its k and v stored in the caches (_store_step): q."""
+    q, k, v = split_rope(qkv, cos, sin, heads, kv_heads, dim)
+    _store_step(keys, values, rows, col, k, v)
+    return q
+
+
+def norm_rope_store(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: torch.Tensor,
+    col: torch.Tensor,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """rope_store with Qwen3's per-head norms (split_norm_rope): q."""
+    q, k, v = split_norm_rope(qkv, cos, sin, heads, kv_heads, dim, q_weight, k_weight, eps)
+    _store_step(keys, values, rows, col, k, v)
+    return q
+
+
 def masked_softmax(scores: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention probabilities in float32 (as transformers' eager attention), cast back."""
     return (scores.float() * scale + bias).softmax(-1).to(scores.dtype)
@@ -160,11 +214,22 @@ class Kernels(NamedTuple):
     add_norm: Callable
     split_rope: Callable
     split_norm_rope: Callable
+    rope_store: Callable
+    norm_rope_store: Callable
     softmax: Callable
     swiglu: Callable
 
 
-EAGER = Kernels(rms_norm, add_rms_norm, split_rope, split_norm_rope, masked_softmax, swiglu)
+EAGER = Kernels(
+    rms_norm,
+    add_rms_norm,
+    split_rope,
+    split_norm_rope,
+    rope_store,
+    norm_rope_store,
+    masked_softmax,
+    swiglu,
+)
 
 
 def compiled_kernels(backend: str | Callable) -> Kernels:

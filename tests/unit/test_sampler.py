@@ -457,3 +457,47 @@ def test_an_error_that_is_not_the_compilers_propagates(tiny, error):
     assert sampler.compiled
     out = sampler.generate(ids, mask, 4, [-1], 0, SamplingSettings(do_sample=False))
     assert out.shape == (2, 4)
+
+
+@pytest.mark.parametrize("norms", [False, True], ids=["qwen2", "qwen3"])
+def test_compiled_rotary_writes_the_step_into_the_cache_in_place(norms):
+    """The decode step's rotary and its cache write, compiled as the sampler compiles them
+    (inductor): q as eager, every row's k and v at its own column and nothing else changed,
+    written into the cache tensors themselves (the captured graph replays into them)."""
+    from rlinf_twoworker.engines import static_kernels as sk
+
+    gen = torch.Generator().manual_seed(0)
+    b, heads, kv, dim, length = 3, 4, 2, 8, 12
+    keys = torch.randn(b, kv, length, dim, generator=gen)
+    values = torch.randn(b, kv, length, dim, generator=gen)
+    rows, col = torch.arange(b), torch.tensor([0, 5, 11])
+    qkv = torch.randn(b, 1, (heads + 2 * kv) * dim, generator=gen)
+    cos, sin = (torch.randn(b, 1, 1, dim, generator=gen) for _ in range(2))
+    extra: tuple[Any, ...] = ()
+    fn = sk.rope_store
+    if norms:
+        extra, fn = (
+            (torch.rand(dim, generator=gen) + 0.5, torch.rand(dim, generator=gen), 1e-6),
+            sk.norm_rope_store,
+        )
+    eager_k, eager_v = keys.clone(), values.clone()
+    original_k, original_v = keys.clone(), values.clone()
+    want = fn(eager_k, eager_v, rows, col, qkv, cos, sin, heads, kv, dim, *extra)
+    torch._dynamo.reset()
+    before = (keys.data_ptr(), values.data_ptr())
+    got = torch.compile(fn, dynamic=False)(
+        keys, values, rows, col, qkv, cos, sin, heads, kv, dim, *extra
+    )
+    assert (keys.data_ptr(), values.data_ptr()) == before
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(keys, eager_k)
+    torch.testing.assert_close(values, eager_v)
+    split = sk.split_norm_rope if norms else sk.split_rope
+    _, k, v = split(qkv, cos, sin, heads, kv, dim, *extra)
+    for row, column in enumerate(col.tolist()):
+        torch.testing.assert_close(keys[row, :, column], k[row, :, 0])
+        torch.testing.assert_close(values[row, :, column], v[row, :, 0])
+    untouched = torch.ones_like(keys, dtype=torch.bool)
+    untouched[rows, :, col] = False
+    assert torch.equal(keys[untouched], original_k[untouched])
+    assert torch.equal(values[untouched], original_v[untouched])
