@@ -360,41 +360,6 @@ def test_model_that_is_not_a_causal_lm_fails_in_preflight_naming_the_model(
     assert_failed_cleanly(tmp_path / "out" / "not-causal", inputs, before, error)
 
 
-CPU_HEAD_RUN = r"""
-import json, sys
-from pathlib import Path
-import ray
-from rlinf_twoworker import run_grpo_two_worker
-from rlinf_twoworker.api.demo import demo_config, make_inputs
-from rlinf_twoworker.cluster.local import LocalCluster
-
-root = Path(sys.argv[1])
-with LocalCluster(num_nodes=2, gpus_per_node=2, cpu_head=True):
-    here = ray.get_runtime_context().get_node_id()
-    [own] = [n for n in ray.nodes() if n["NodeID"] == here]
-    cfg = demo_config(make_inputs(root / "inputs"), root, "cpu-head", sys.argv[2:])
-    handle = run_grpo_two_worker(cfg)
-    report = handle.result(timeout=300)
-    placed = {row["component"]: row["node_id"] for row in handle.topology()}
-    print(json.dumps({"passed": report.passed, "errors": report.errors, "here": here,
-                      "driver_gpus": own["Resources"].get("GPU", 0), "placed": placed}))
-"""
-
-
-@pytest.mark.slow
-def test_a_driver_on_a_head_without_gpus_runs_with_bundle_0_on_a_gpu_node(tmp_path, own_process):
-    """A Head of CPUs only (KubeRay, hosted Ray): the controller runs with the Driver, bundle 0
-    (rollout, reward, inference) on the first GPU node Ray finds, named in the log."""
-    result = own_process(CPU_HEAD_RUN, str(tmp_path), *ONE_RANK, timeout=600)
-    assert result["passed"], result["errors"]
-    assert result["driver_gpus"] == 0
-    placed, here = result["placed"], result["here"]
-    assert placed["rollout"] == placed["reward"] == placed["inference"] != here
-    assert placed["actor"] not in (here, placed["rollout"])
-    log = (tmp_path / "cpu-head" / "log" / "main.log").read_text()
-    assert f"on node {placed['rollout'][:8]}" in log and f"controller's node {here[:8]}" in log
-
-
 def test_a_hand_built_config_with_a_refused_rlinf_value_fails_before_anything(tmp_path):
     """A GRPOConfig built in Python goes through the same RLinf-key rules as a loaded one."""
     from rlinf_twoworker.config import ActorConfig, GRPOConfig, RunnerConfig
