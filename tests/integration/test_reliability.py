@@ -28,7 +28,7 @@ from support import ONE_RANK
 import rlinf_twoworker
 from rlinf_twoworker import ComponentError, RunCancelledError, run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config
-from rlinf_twoworker.cluster.connect import NAMESPACE
+from rlinf_twoworker.cluster.connect import NAMESPACE, ray_name
 from rlinf_twoworker.cluster.placement import wait_removed
 from rlinf_twoworker.cluster.probe import NodeProbe
 from rlinf_twoworker.config import to_typed
@@ -168,9 +168,11 @@ def cause_of(ref, timeout: float) -> BaseException:
     raise AssertionError("the future resolved instead of raising")
 
 
-def of_run(name: str, run_id: str) -> bool:
-    """Whether a Ray name is of a run with this RUN_ID (ray_name: `<run_id>-<8 hex>:...`)."""
-    return name.split(":", 1)[0].rpartition("-")[0] == run_id
+def of_run(name: str, run: str) -> bool:
+    """Whether a Ray name is of a run with this RUN_ID, or of the one run whose
+    `<run_id>-<8 hex>` this is (ray_name: `<run_id>-<8 hex>:...`)."""
+    head = name.split(":", 1)[0]
+    return head == run or head.rpartition("-")[0] == run
 
 
 def run_actors(run_id: str) -> list[str]:
@@ -574,16 +576,21 @@ def test_ctrl_c_on_the_cli_driver_cancels_the_run_and_frees_the_cluster(
     assert_released(run_id, timeout=30, driver_gone=True)
 
 
-def test_two_runs_side_by_side_do_not_interfere(cluster_2x2, inputs, tmp_path):
-    """Run A (Driver on the head) is cancelled while run B (Driver on the worker node) is held
-    at its third step; B then finishes and verifies. Each has its own one-node group."""
+def test_two_runs_side_by_side_with_one_run_id_do_not_interfere(cluster_2x2, inputs, tmp_path):
+    """One RUN_ID under two output roots, two runs at once, each in its own one-node group: run
+    A (Driver on the head) is cancelled while run B (Driver on the worker node) is held at its
+    third step; B then finishes and verifies. Each run's actors and group carry its own run
+    directory's hash, so neither refuses the other's names, and A's cancel releases only A's."""
     placement = {"rollout": 0, "inference": 0, "reward": 0, "actor": 0}
+    root_a, root_b = tmp_path / "root-a", tmp_path / "root-b"
     cfg_a = demo_config(
-        inputs, tmp_path, "side-a", [*ONE_NODE, "runner.max_steps=500", "runner.save_interval=500"]
+        inputs, root_a, "twin", [*ONE_NODE, "runner.max_steps=500", "runner.save_interval=500"]
     )
     cfg_b = demo_config(
-        inputs, tmp_path, "side-b", [*ONE_NODE, "runner.max_steps=4", "runner.save_interval=4"]
+        inputs, root_b, "twin", [*ONE_NODE, "runner.max_steps=4", "runner.save_interval=4"]
     )
+    run_a, run_b = ray_name(root_a / "twin"), ray_name(root_b / "twin")  # `twin-<8 hex>`
+    assert run_a != run_b and of_run(run_a, "twin") and of_run(run_b, "twin")
     worker_node = next(
         n["NodeID"] for n in ray.nodes() if n["Alive"] and "local_node_1" in n["Resources"]
     )
@@ -595,24 +602,30 @@ def test_two_runs_side_by_side_do_not_interfere(cluster_2x2, inputs, tmp_path):
         head = ray.get_runtime_context().get_node_id()
         assert {r["node_id"] for r in handle_a.topology()} == {head}
         assert {r["node_id"] for r in handle_b.topology()} == {worker_node}
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+        for run in (run_a, run_b):
+            assert f"{run}:controller:0" in names and f"{run}:actor:0" in names, names
+        groups = {g["name"] for g in live_groups("twin")}
+        assert {f"{run_a}:pg", f"{run_b}:pg"} <= groups, groups
 
         handle_a.cancel()
         cancelled_at = time.time()
         with pytest.raises(RunCancelledError):
             handle_a.result(timeout=60)
-        assert_released("side-a")
+        assert_released(run_a)
+        assert run_actors(run_b) and live_groups(run_b)  # B's names untouched by A's release
         assert placement_group_table(handle_b.placement_group)["state"] == "CREATED"
         assert handle_b.status()["state"] == "running" and not handle_b.done()
-        marker("side-b", "gate").touch()
+        marker("twin", "gate").touch()
 
         report = handle_b.result(timeout=TIMEOUT)
         assert report.passed, report.errors
         assert ray.get(handle_b.step(3), timeout=30).finished_at > cancelled_at
         again = verify_run(
-            tmp_path / "side-b", 4, expected_nodes=1, write=False, expected_placement=placement
+            root_b / "twin", 4, expected_nodes=1, write=False, expected_placement=placement
         )
         assert again.passed, again.errors
-        assert_released("side-b")
+        assert_released(run_b)
     finally:
         for handle in (handle_a, handle_b):
             if not handle.done():

@@ -38,11 +38,6 @@ from rlinf_twoworker.workers.actor import ActorWorker
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 TIMEOUT = 300
-ONE_NODE = [
-    "cluster.num_nodes=1",
-    "cluster.num_gpus_per_node=2",
-    "cluster.component_placement={rollout:0,inference:0,reward:0,actor:0}",  # one rank
-]
 
 
 @pytest.fixture(scope="module")
@@ -50,42 +45,8 @@ def inputs(demo_inputs):
     return demo_inputs
 
 
-class Launcher:
-    """Starts a run from a process on another node: that run's Driver node is that node."""
-
-    def start(self, cfg):
-        self.handle = run_grpo_two_worker(cfg)
-        return self.handle
-
-
 # ---- 4. names that cannot collide ------------------------------------------------------------
-
-
-def test_two_runs_with_one_run_id_under_two_roots_at_once_both_pass(cluster_2x2, inputs, tmp_path):
-    """Same RUN_ID, two output roots, at the same time (one Driver per node): each run's actors
-    and group carry its own run directory's hash, so neither refuses, nor touches, the other."""
-    roots = tmp_path / "root-a", tmp_path / "root-b"
-    cfg_a, cfg_b = (demo_config(inputs, root, "twin", ONE_NODE) for root in roots)
-    launcher = ray.remote(Launcher).options(num_cpus=0, resources={"local_node_1": 0.01}).remote()
-    handle_b = ray.get(launcher.start.remote(cfg_b), timeout=120)
-    handle_a = run_grpo_two_worker(cfg_a)
-    try:
-        ray.get([handle_a.step(1), handle_b.step(1)], timeout=TIMEOUT)
-        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
-        for root in roots:
-            controller = ray_name(root / "twin", "controller", 0)
-            assert controller.startswith("twin-") and controller in names, names
-            assert ray_name(root / "twin", "actor", 0) in names, names
-        groups = {g["name"] for g in ray.util.placement_group_table().values()}
-        assert {ray_name(root / "twin", "pg") for root in roots} <= groups
-        for handle in (handle_a, handle_b):
-            report = handle.result(timeout=TIMEOUT)
-            assert report.passed, report.errors
-    finally:
-        for handle in (handle_a, handle_b):
-            if not handle.done():
-                handle.cancel()
-        ray.kill(launcher)
+# Two runs with one RUN_ID under two roots at once: test_reliability's side-by-side test.
 
 
 def test_ray_names_lead_with_the_run_id_and_differ_by_run_directory(tmp_path):
