@@ -94,6 +94,12 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
         (),
         "one decode step of the static sampler at batch 16, by kernel (profiler table)",
     ),
+    "actor_step": (
+        "probe_actor_step",
+        (),
+        "one GRPO step's actor update at the tutorial's shape (or --rows/--seq/--cut), by part, "
+        "with the GPU's busy share and the kernels and host operators by time (profiler)",
+    ),
     "logprobs": (
         "probe_logprobs",
         (),

@@ -1,0 +1,125 @@
+"""Where one GRPO step's actor update goes at the tutorial job's shape, on one GPU.
+
+    python -m benchmarks actor_step [--rows 16] [--group 2] [--seq 1024] [--prompt 256] [--cut 4096]
+
+The library's ActorWorker, built as a run builds it (FSDP2 over a one-rank NCCL group, compiled
+decoder layers, fused AdamW), on the 1.5B shape with random weights (bench_gpu.make_model_dir)
+and the starting config (the tutorial's minibatches: algorithm.n_minibatches of its rows);
+runner.micro_batch_tokens is --cut (what the memory plan picks for the tutorial job). Every
+answer runs to the token limit, as a random model's do. Two updates compile and warm up; the
+third is timed and profiled (CPU and CUDA). Prints one JSON object: the update's seconds by
+part (forward/backward, optimizer), the GPU's busy share of the wall time (kernel time over
+wall time: well under 1 means the GPU waits on the host), the kernels by GPU time and the host
+operators by their own CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _table(prof, key: str, limit: int) -> list[dict]:
+    rows = []
+    for event in prof.key_averages():
+        value = getattr(event, key, 0.0) or 0.0
+        if value:
+            rows.append(
+                {"name": event.key[:90], "ms": round(value / 1000, 3), "calls": event.count}
+            )
+    return sorted(rows, key=lambda r: -r["ms"])[:limit]
+
+
+def main() -> None:
+    import torch.distributed as dist
+    from bench_gpu import job_overrides, make_model_dir
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlinf_twoworker.api.demo import make_inputs
+    from rlinf_twoworker.config import load_config, to_typed
+    from rlinf_twoworker.engines.models import SequenceBatch
+    from rlinf_twoworker.run.chunks import split_for_actors
+    from rlinf_twoworker.workers.actor import ActorWorker
+    from rlinf_twoworker.workers.base import free_port
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=16, help="answers a step")
+    parser.add_argument("--group", type=int, default=2, help="answers a prompt")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--cut", type=int, default=4096, help="runner.micro_batch_tokens")
+    parser.add_argument("--root", default="/tmp/rlinf-bench")
+    args = parser.parse_args()
+    root = Path(args.root)
+    model_dir = make_model_dir(root)
+    data = make_inputs(root / "inputs").data_path
+    overrides = [
+        *job_overrides(model_dir, data, root, "actor-step", 2),
+        f"runner.micro_batch_tokens={args.cut}",
+        f"data.rollout_batch_size={args.rows // args.group}",
+        f"algorithm.group_size={args.group}",
+        f"runner.seq_length={args.seq}",
+    ]
+    cfg = to_typed(load_config(overrides=overrides))
+    os.environ.setdefault("NCCL_IB_DISABLE", "1")
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0, world_size=1
+    )
+    torch.cuda.set_device(0)
+    actor = ActorWorker(cfg, 0)
+    actor.actor_group = dist.group.WORLD
+    actor.build()
+
+    gen = torch.Generator().manual_seed(0)
+    answer = args.seq - args.prompt
+    ids = torch.randint(100, 150000, (args.rows, args.seq), generator=gen)
+    mask = torch.ones_like(ids)
+    response = torch.ones(args.rows, answer, dtype=torch.long)
+    batch = SequenceBatch(ids, mask, response, args.prompt)
+    sign = torch.where(torch.arange(args.rows) % 2 == 0, 1.0, -1.0).unsqueeze(-1)
+    adv = sign * response
+    old = torch.full((args.rows, answer), -11.9)  # about log(1 / vocab): a random policy's
+    [shards] = split_for_actors(cfg, batch, old, adv, ranks=1)
+
+    def update() -> tuple[float, dict]:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        stats = actor.train_step(shards)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, stats
+
+    warm = [update()[0] for _ in range(2)]
+    timed = [update() for _ in range(2)]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall, stats = update()
+    kernels = _table(prof, "self_device_time_total", 25)
+    gpu_ms = (
+        sum((getattr(e, "self_device_time_total", 0.0) or 0.0) for e in prof.key_averages()) / 1000
+    )
+    out = {
+        "shape": vars(args),
+        "minibatches": len(shards),
+        "warm_up_s": warm,
+        "update_s": [t for t, _ in timed],
+        "profiled_update_s": wall,
+        "forward_backward_s": stats.forward_backward_seconds,
+        "optimizer_s": stats.optimizer_seconds,
+        "gpu_kernel_ms": round(gpu_ms, 1),
+        "gpu_busy_share": round(gpu_ms / 1000 / wall, 3),
+        "kernels": kernels,
+        "host_ops": _table(prof, "self_cpu_time_total", 30),
+    }
+    print(json.dumps(out, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
