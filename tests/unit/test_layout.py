@@ -84,3 +84,23 @@ def test_the_components_are_listed_once():
                 if len(names & set(words)) >= 2:
                     found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert found == []
+
+
+def test_the_model_section_of_each_component_comes_from_its_row():
+    """components.model_section: the section whose model the component loads, from the table
+    (the reference loads the actor's initial weights; the reward loads none), and None for a
+    config that lacks the section, as the stand-in configs of the group's tests do."""
+    from types import SimpleNamespace
+
+    from rlinf_twoworker import components
+    from rlinf_twoworker.config import GRPOConfig
+
+    cfg = GRPOConfig()
+    for component in components.TABLE:
+        got = components.model_section(cfg, component.name)
+        want = None if component.model_section is None else getattr(cfg, component.model_section)
+        assert got is want, component.name
+    assert components.model_section(cfg, "reward") is None
+    assert components.model_section(cfg, "reference") is cfg.actor
+    assert components.model_section(SimpleNamespace(), "rollout") is None
+    assert components.model_section(cfg, "no-such-component") is None
