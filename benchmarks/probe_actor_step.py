@@ -57,9 +57,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--cut", type=int, default=4096, help="runner.micro_batch_tokens")
     parser.add_argument("--root", default="/tmp/rlinf-bench")
+    parser.add_argument("--model", default=None, help="a model directory (default: the 1.5B)")
+    parser.add_argument("--cpu", action="store_true", help="a smoke run on CPUs (gloo)")
     args = parser.parse_args()
     root = Path(args.root)
-    model_dir = make_model_dir(root)
+    model_dir = Path(args.model) if args.model else make_model_dir(root)
+    cuda = not args.cpu
     data = make_inputs(root / "inputs").data_path
     overrides = [
         *job_overrides(model_dir, data, root, "actor-step", 2),
@@ -67,20 +70,29 @@ def main() -> None:
         f"data.rollout_batch_size={args.rows // args.group}",
         f"algorithm.group_size={args.group}",
         f"runner.seq_length={args.seq}",
+        f"data.max_prompt_length={args.prompt}",
+        *([] if cuda else ["cluster.accelerator=cpu"]),
     ]
     cfg = to_typed(load_config(overrides=overrides))
     os.environ.setdefault("NCCL_IB_DISABLE", "1")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0, world_size=1
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}",
+        rank=0,
+        world_size=1,
     )
-    torch.cuda.set_device(0)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.set_device(0)
     actor = ActorWorker(cfg, 0)
     actor.actor_group = dist.group.WORLD
     actor.build()
 
     gen = torch.Generator().manual_seed(0)
     answer = args.seq - args.prompt
-    ids = torch.randint(100, 150000, (args.rows, args.seq), generator=gen)
+    vocab = actor.model.config.vocab_size
+    ids = torch.randint(0, vocab, (args.rows, args.seq), generator=gen)
     mask = torch.ones_like(ids)
     response = torch.ones(args.rows, answer, dtype=torch.long)
     batch = SequenceBatch(ids, mask, response, args.prompt)
@@ -90,15 +102,16 @@ def main() -> None:
     [shards] = split_for_actors(cfg, batch, old, adv, ranks=1)
 
     def update() -> tuple[float, dict]:
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         stats = actor.train_step(shards)
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - start, stats
 
     warm = [update()[0] for _ in range(2)]
     timed = [update() for _ in range(2)]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
         wall, stats = update()
     kernels = _table(prof, "self_device_time_total", 25)
     gpu_ms = (
