@@ -92,7 +92,8 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "decode": (
         "probe_decode",
         (),
-        "one decode step of the static sampler at batch 16, by kernel (profiler table)",
+        "the static sampler's generate at --batch slots (default 16): its seconds, and a "
+        "short generate's kernels by GPU time (profiler table)",
     ),
     "actor_step": (
         "probe_actor_step",
