@@ -76,6 +76,8 @@ def main() -> None:
     cfg = to_typed(load_config(overrides=overrides))
     os.environ.setdefault("NCCL_IB_DISABLE", "1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if cuda:
+        torch.cuda.set_device(0)  # before the NCCL group, which binds to the current device
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}",
@@ -83,8 +85,6 @@ def main() -> None:
         world_size=1,
     )
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    if cuda:
-        torch.cuda.set_device(0)
     actor = ActorWorker(cfg, 0)
     actor.actor_group = dist.group.WORLD
     actor.build()
