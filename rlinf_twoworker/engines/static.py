@@ -252,9 +252,7 @@ class StaticSampler:
         column (self.col) in the same kernel."""
         qkv, dims, norms = self._projection(index, h)
         cache = (self.k[index], self.v[index], self.rows, self.col.view(-1))
-        if norms is None:
-            return kern.rope_store(*cache, qkv, *rotary, *dims)
-        return kern.norm_rope_store(*cache, qkv, *rotary, *dims, *norms)  # Qwen3
+        return kern.rope_store(*cache, qkv, *rotary, *dims, *(norms or ()))  # norms: Qwen3
 
     def _projection(
         self, index: int, h: torch.Tensor

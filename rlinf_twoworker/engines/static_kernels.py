@@ -92,30 +92,14 @@ def rope_store(
     heads: int,
     kv_heads: int,
     dim: int,
+    *norms: Any,
 ) -> torch.Tensor:
-    """A decode step's split_rope with its k and v stored in the caches (_store_step): q."""
-    q, k, v = split_rope(qkv, cos, sin, heads, kv_heads, dim)
-    _store_step(keys, values, rows, col, k, v)
-    return q
-
-
-def norm_rope_store(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    rows: torch.Tensor,
-    col: torch.Tensor,
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    heads: int,
-    kv_heads: int,
-    dim: int,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    """rope_store with Qwen3's per-head norms (split_norm_rope): q."""
-    q, k, v = split_norm_rope(qkv, cos, sin, heads, kv_heads, dim, q_weight, k_weight, eps)
+    """A decode step's split_rope (split_norm_rope where Qwen3's per-head `norms` are given:
+    q weight, k weight, eps) with its k and v stored in the caches (_store_step): q."""
+    if norms:
+        q, k, v = split_norm_rope(qkv, cos, sin, heads, kv_heads, dim, *norms)
+    else:
+        q, k, v = split_rope(qkv, cos, sin, heads, kv_heads, dim)
     _store_step(keys, values, rows, col, k, v)
     return q
 
@@ -215,7 +199,6 @@ class Kernels(NamedTuple):
     split_rope: Callable
     split_norm_rope: Callable
     rope_store: Callable
-    norm_rope_store: Callable
     softmax: Callable
     swiglu: Callable
 
@@ -226,7 +209,6 @@ EAGER = Kernels(
     split_rope,
     split_norm_rope,
     rope_store,
-    norm_rope_store,
     masked_softmax,
     swiglu,
 )

@@ -162,7 +162,7 @@ class HeadStart:
             self.compiler_imports.join()
         import_compiler()
         imported = time.perf_counter()
-        self.cache = _cache_entry(self.cfg, self.component, self.section, path)
+        self.cache = _cache_entry(self.cfg.compile_cache_root, self.component, self.section, path)
         event = self.cache.load()
         return {
             "seconds": {
@@ -186,16 +186,16 @@ class HeadStart:
         }
 
 
-def _cache_entry(cfg: Any, component: str, section: Any, path: str) -> Any:
-    """The compile-cache entry of `component` for the model at `path`, in the dtype (its
-    `section`'s precision) and on the device its worker loads it with
-    (compile_cache.cache_key)."""
+def _cache_entry(root: Any, component: str, section: Any, path: str) -> Any:
+    """The compile-cache entry under `root` of `component` for the model at `path`, in the
+    dtype (its `section`'s precision) and on the GPU its worker loads it with
+    (compile_cache.cache_key); `prepare` asks for it on GPUs only."""
     from transformers import AutoConfig
 
     from rlinf_twoworker.engines.compile_cache import CompileCache, cache_key
     from rlinf_twoworker.engines.models import device_for, dtype_for
 
-    device = device_for(cfg.cluster.accelerator)
+    device = device_for("cuda")
     config = AutoConfig.from_pretrained(path).to_dict()
     key = cache_key(config, dtype_for(section.model.precision, device), device)
-    return CompileCache(cfg.compile_cache_root, component, key)
+    return CompileCache(root, component, key)

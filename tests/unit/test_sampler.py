@@ -475,11 +475,8 @@ def test_compiled_rotary_writes_the_step_into_the_cache_in_place(norms):
     cos, sin = (torch.randn(b, 1, 1, dim, generator=gen) for _ in range(2))
     extra: tuple[Any, ...] = ()
     fn = sk.rope_store
-    if norms:
-        extra, fn = (
-            (torch.rand(dim, generator=gen) + 0.5, torch.rand(dim, generator=gen), 1e-6),
-            sk.norm_rope_store,
-        )
+    if norms:  # Qwen3's per-head norms: q weight, k weight, eps
+        extra = (torch.rand(dim, generator=gen) + 0.5, torch.rand(dim, generator=gen), 1e-6)
     eager_k, eager_v = keys.clone(), values.clone()
     original_k, original_v = keys.clone(), values.clone()
     want = fn(eager_k, eager_v, rows, col, qkv, cos, sin, heads, kv, dim, *extra)
