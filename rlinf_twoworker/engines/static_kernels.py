@@ -66,21 +66,6 @@ def split_norm_rope(
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
 
-def _store_step(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    rows: torch.Tensor,
-    col: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> None:
-    """A decode step's keys and values [B, KV, 1, D] into the caches [B, KV, L, D], row b's at
-    its column col[b]: an index_put, which the compiler does in place and fuses with the
-    rotary that made them (one kernel instead of the rotary and two scatters)."""
-    keys[rows, :, col] = k[:, :, 0]
-    values[rows, :, col] = v[:, :, 0]
-
-
 def rope_store(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -95,12 +80,15 @@ def rope_store(
     *norms: Any,
 ) -> torch.Tensor:
     """A decode step's split_rope (split_norm_rope where Qwen3's per-head `norms` are given:
-    q weight, k weight, eps) with its k and v stored in the caches (_store_step): q."""
+    q weight, k weight, eps), returning q; its keys and values [B, KV, 1, D] go into the
+    caches [B, KV, L, D], row b's at its column col[b]: an index_put, which the compiler does
+    in place and fuses with the rotary (one kernel instead of the rotary and two scatters)."""
     if norms:
         q, k, v = split_norm_rope(qkv, cos, sin, heads, kv_heads, dim, *norms)
     else:
         q, k, v = split_rope(qkv, cos, sin, heads, kv_heads, dim)
-    _store_step(keys, values, rows, col, k, v)
+    keys[rows, :, col] = k[:, :, 0]
+    values[rows, :, col] = v[:, :, 0]
     return q
 
 
