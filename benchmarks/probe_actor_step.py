@@ -28,11 +28,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _on_gpu(event) -> bool:
-    """A kernel or a copy the GPU ran. Operators (aten::mm, the optimizer's step) also carry
-    the device time of the kernels they launched: counting them too would count it twice."""
+    """A kernel or a copy the GPU ran. Operators (aten::mm) and annotated ranges (the
+    optimizer's step, FSDP's hooks: GPU-side ranges) also carry the device time of the kernels
+    under them: counting them too would count it twice."""
     from torch.autograd import DeviceType
 
-    return event.device_type != DeviceType.CPU
+    return event.device_type != DeviceType.CPU and not event.is_user_annotation
 
 
 def _table(prof, key: str, limit: int, gpu: bool) -> list[dict]:
