@@ -41,8 +41,9 @@ ACTIVATIONS_COMPILED = (9, 4)
 backward when its forward is compiled (fused norms and SwiGLU). Calibrated on an H200 at the
 1.5B shape from the actor's nvidia-smi peak less its exact parts (weights, gradients, Adam's
 state, gathered layers): 3.89 MiB a token at 16384-token micro-batches and 3.85 at 4096
-(benchmarks/RESULTS.md, session 19), which (9, 4), the logits and the slack below put within
--1%..+5%; the (7, 3) before it was 14% low at 16384 tokens..."""
+(the scale benchmark on 38c57a4, recorded by 051a5c8 in benchmarks/RESULTS.md), which (9, 4),
+the logits and the slack below put within -1%..+5%; the (7, 3) before it was 14% low at 16384
+tokens..."""
 ACTIVATIONS_EAGER = (16, 6)
 """...and about this many when it runs eagerly (float32 norm copies, unfused SwiGLU)."""
 LOGIT_BYTES_TRAIN = 5

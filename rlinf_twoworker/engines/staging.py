@@ -13,7 +13,7 @@ the GPU copies into them at 13.5 GB/s, and making them (0.9 s for 8 GiB, on the 
 process's GPU work alone. Pinned buffers copy at 55 GB/s, but pinning holds the CUDA driver
 against the process's other GPU calls while it runs: 12 s for 21.3 GB, during which the
 actor's weight sync took 7.1-12.6 s instead of 0.4 s (`benchmarks/probe_staging.py`,
-RESULTS.md session 11).
+`benchmarks/results/staging-default-h200.json`, f8d33aa).
 
 Buffers are matched to the state's tensors by local shape and dtype: a model's parameters'
 shards and, for AdamW, two moments of the same shapes. A tensor without a matching buffer is
