@@ -212,39 +212,34 @@ class ActorWorker(Worker):
             f"actor rank {self.rank} on {socket.gethostname()}",
         )
 
-    def _minibatch(self, shard: ActorShard, first: bool) -> Callable[[], dict[str, float]]:
+    def _minibatch(self, shard: ActorShard, first: bool) -> dict[str, float]:
         """One optimiser step on this rank's share of a minibatch. `first`: also measure the
         largest |actor - inference| log-prob difference (before the step's first update the
-        two hold the same weights). Returns a call that reads its metrics back: train_step
-        reads every minibatch's at the end, so the host queues the next minibatch's forward
-        while the GPU still runs this one's optimiser step (the only wait within a minibatch
-        is the gradient norm's, which decides whether it steps)."""
+        two hold the same weights)."""
         self.optimizer.zero_grad(set_to_none=True)
         sums, maxes = self.accumulate(shard, first)
-        timer = _StageTimer(self.device)
+        self._sync_device()
+        optimizer_start = time.perf_counter()
         grad_norm, stepped = self._clip_and_step()
         keys = sorted(sums)
         totals = torch.stack([sums[k] for k in keys]).double()
         dist.all_reduce(totals, group=self.actor_group)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=self.actor_group)
-        timer.stop()
-        fixed: dict[str, float] = {
-            "grad_norm": grad_norm,
-            "lr": self.lr_used,
-            "skipped_steps": 0.0 if stepped else 1.0,
-        }
+        self._sync_device()
+        out = {k: float(v) for k, v in zip(keys, totals.tolist())}
+        out.update(
+            optimizer_seconds=time.perf_counter() - optimizer_start,
+            ratio_max=float(maxes[0]),
+            grad_norm=grad_norm,
+            lr=self.lr_used,
+            skipped_steps=0.0 if stepped else 1.0,
+        )
         scale = loss_scale(self.scaler)
         if scale is not None:  # the scale the next minibatch uses
-            fixed["loss_scale"] = scale
-
-        def read() -> dict[str, float]:
-            out = {k: float(v) for k, v in zip(keys, totals.tolist())}
-            out.update(fixed, optimizer_seconds=timer.seconds(), ratio_max=float(maxes[0]))
-            if first:
-                out["logprob_diff_max"] = float(maxes[1])
-            return out
-
-        return read
+            out["loss_scale"] = scale
+        if first:
+            out["logprob_diff_max"] = float(maxes[1])
+        return out
 
     def accumulate(
         self, shard: ActorShard, first: bool = False
@@ -324,7 +319,7 @@ class ActorWorker(Worker):
         self.scheduler.step()
         return grad_norm, stepped
 
-    def _minibatch_or_eager(self, shard: ActorShard, first: bool) -> Callable[[], dict[str, float]]:
+    def _minibatch_or_eager(self, shard: ActorShard, first: bool) -> dict[str, float]:
         """One minibatch; if torch.compile fails on it, warn, go eager for good and redo it
         (nothing is lost: the optimiser only steps once the whole minibatch succeeded)."""
         return self._or_eager(lambda: self._minibatch(shard, first))
@@ -373,8 +368,7 @@ class ActorWorker(Worker):
             settle_heap()
         self.offloader.load()  # back from CPU memory when offloaded
         self.model.train()
-        pending = [self._minibatch_or_eager(s, i == 0) for i, s in enumerate(shards)]
-        results = [read() for read in pending]  # the step's one wait for the GPU
+        results = [self._minibatch_or_eager(s, i == 0) for i, s in enumerate(shards)]
         if self.cfg.offloads:  # as RLinf: the optimiser state leaves before the sync
             self.offloader.offload_optimizer()
         metrics = step_metrics(results)
@@ -557,28 +551,3 @@ if TYPE_CHECKING:
     from rlinf_twoworker.workers import contract
 
     _trainer: type[contract.Trainer] = ActorWorker
-
-
-class _StageTimer:
-    """Seconds of the work queued between its creation and stop(): CUDA events on a GPU (read
-    after the work is done, without a wait of their own), the wall clock on a CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.begin, self.end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            self.begin.record()
-        else:
-            self.start, self.wall = time.perf_counter(), 0.0
-
-    def stop(self) -> None:
-        if self.cuda:
-            self.end.record()
-        else:
-            self.wall = time.perf_counter() - self.start
-
-    def seconds(self) -> float:
-        if self.cuda:
-            self.end.synchronize()
-            return self.begin.elapsed_time(self.end) / 1000
-        return self.wall
