@@ -22,7 +22,7 @@ from rlinf_twoworker.cluster.local import LocalCluster  # noqa: E402
 @pytest.fixture(scope="session")
 def cluster_2x2():
     """A LocalCluster(2, 2) shared by the session; this process is connected to it. Ray's
-    metrics are reported every 2 s, not 10 (test_ray_metrics waits for a few reports). Its
+    metrics are reported every 2 s, not 10 (test_metric_loggers waits for a few reports). Its
     nodes start with NODE_CODE on their PYTHONPATH (this process's environment is restored
     once they have started)."""
     system = {"metrics_report_interval_ms": 2000}

@@ -1,11 +1,20 @@
-"""runner.logger.logger_backends: wandb (offline) and MLflow (its file store) beside TensorBoard,
-on a real 2 x 2 run; no network."""
+"""Where a run's metrics go: runner.logger.logger_backends (wandb offline, MLflow's file store,
+beside TensorBoard) and Ray's metrics system (run/ray_metrics.py), read back from the Prometheus
+endpoint of the controller's node on loopback, as the cluster's Prometheus would scrape it; one
+real 2 x 2 run, no network."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
+import math
+import re
 import struct
 import sys
+import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +25,51 @@ from rlinf_twoworker import run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config
 from rlinf_twoworker.config import load_config, to_typed
 from rlinf_twoworker.errors import ConfigError
+from rlinf_twoworker.run import ray_metrics
 from rlinf_twoworker.run.metric_loggers import forwarded_env, missing_backends
+
+TIMEOUT = 600
+SAMPLE = re.compile(r"^(\w+)\{(.*)\} (\S+)$")
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def metrics_url() -> str:
+    """The endpoint of this process's node: the controller runs on the Driver's node."""
+    here = ray.get_runtime_context().get_node_id()
+    node = next(n for n in ray.nodes() if n["NodeID"] == here)
+    assert node["NodeManagerAddress"] == "127.0.0.1"
+    return f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+
+
+def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample of the endpoint's text format."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return [
+        (m[1], dict(LABEL.findall(m[2])), float(m[3]))
+        for m in map(SAMPLE.match, text.splitlines())
+        if m
+    ]
+
+
+def wait_for(
+    url: str,
+    name: str,
+    labels: dict[str, str],
+    timeout: float,
+    until: Callable[[float], bool] = lambda value: True,
+) -> float:
+    """The value of the series `name` with `labels` once the endpoint shows one that `until`
+    accepts; Ray's agent exports what a process recorded once every report interval."""
+    deadline = time.monotonic() + timeout
+    seen: list[float] = []
+    while True:
+        seen = [v for n, tags, v in scrape(url) if n == name and labels.items() <= tags.items()]
+        if seen and until(seen[0]):
+            return seen[0]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name}{labels} not exported within {timeout} s ({seen})")
+        time.sleep(1)
 
 
 def wandb_history(run_file: Path) -> list[dict]:
@@ -54,47 +107,77 @@ def wandb_history(run_file: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_wandb_offline_and_mlflow_hold_every_steps_metrics(
+def test_every_steps_metrics_reach_each_logger_and_rays_endpoint(
     cluster_2x2, finished_inputs, tmp_path, monkeypatch
 ):
-    pytest.importorskip("wandb", reason="the wandb extra is not installed")
-    pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
+    """One run with every backend: wandb (offline) and MLflow hold each step's metrics, and
+    Ray's metrics endpoint of the controller's node shows the last step's and the run's
+    state. wandb and MLflow are optional extras: where one is absent, its part is skipped."""
+    extras = [name for name in ("wandb", "mlflow") if importlib.util.find_spec(name) is not None]
     monkeypatch.setenv("WANDB_MODE", "offline")  # forwarded to the controller by the run
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_id = "logged"
     overrides = [
-        "runner.logger.logger_backends=[tensorboard,wandb,mlflow]",
+        f"runner.logger.logger_backends=[{','.join(['tensorboard', *extras])}]",
         "runner.logger.project_name=loggers-test",
     ]
+    # The session's cluster reports every 2 s (conftest.py; Ray's default is 10 s): a value
+    # shows within two report intervals.
+    interval_s = max(ray._config.metrics_report_interval_ms(), 1000) / 1000
+    export_s = 3 * interval_s + 10
     handle = run_grpo_two_worker(
-        demo_config(finished_inputs, tmp_path, "logged", [*ONE_RANK, *overrides])
+        demo_config(finished_inputs, tmp_path, run_id, [*ONE_RANK, *overrides])
     )
-    steps = [ray.get(handle.step(n), timeout=300) for n in (1, 2)]
-    report = handle.result(timeout=300)
+    steps = [ray.get(handle.step(n), timeout=TIMEOUT) for n in (1, 2)]
+    recorded_at = time.monotonic()  # the controller records a step before its future resolves
+    last = steps[-1]
+
+    # Ray's metrics system: the last step's values and the step counters, then the run's state.
+    url = metrics_url()
+    metric = "ray_rlinf_twoworker_step_metric"
+    expected = last.metrics["rollout/reward_scores"]
+    reward = {"run_id": run_id, "name": "rollout/reward_scores"}
+    close = lambda want: lambda v: math.isclose(v, want, rel_tol=1e-9, abs_tol=1e-12)  # noqa: E731
+    wait_for(url, metric, reward, export_s, until=close(expected))
+    step_s = {"run_id": run_id, "name": "time/step"}
+    wait_for(url, metric, step_s, export_s, until=close(last.timings["time/step"]))
+    for gauge in ("ray_rlinf_twoworker_step", "ray_rlinf_twoworker_steps_total"):
+        wait_for(url, gauge, {"run_id": run_id}, export_s, until=lambda v: v == 2)
+    report = handle.result(timeout=TIMEOUT)
     assert report.passed, report.errors
-    log_dir = tmp_path / "logged"
+    state = "ray_rlinf_twoworker_state"
+    succeeded = {"run_id": run_id, "state": "succeeded"}
+    assert wait_for(url, state, succeeded, export_s, until=lambda v: v == 1) == 1
+    assert wait_for(url, state, {"run_id": run_id, "state": "running"}, export_s) == 0
+    # Ray's agent forgets a gauge its process has not recorded for two report intervals (after
+    # the one it was exported in); the finished step's values stay while the controller lives.
+    time.sleep(max(0.0, recorded_at + 3.5 * interval_s - time.monotonic()))
+    assert close(expected)(wait_for(url, metric, reward, 0))
 
-    [run_file] = (log_dir / "wandb").glob("wandb/offline-run-*/run-*.wandb")
-    history = {int(h["_step"]): h for h in wandb_history(run_file)}
-    assert sorted(history) == [1, 2]
-    for step in steps:
-        logged = history[step.step]
-        for tag, value in step.scalars().items():
-            assert logged[tag] == pytest.approx(value, rel=1e-6, abs=1e-9), tag
+    log_dir = tmp_path / run_id
+    if "wandb" in extras:
+        [run_file] = (log_dir / "wandb").glob("wandb/offline-run-*/run-*.wandb")
+        history = {int(h["_step"]): h for h in wandb_history(run_file)}
+        assert sorted(history) == [1, 2]
+        for step in steps:
+            logged = history[step.step]
+            for tag, value in step.scalars().items():
+                assert logged[tag] == pytest.approx(value, rel=1e-6, abs=1e-9), tag
+    if "mlflow" in extras:
+        from mlflow.tracking import MlflowClient
 
-    from mlflow.tracking import MlflowClient
-
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = MlflowClient((log_dir / "mlruns").resolve().as_uri())
-    experiment = client.get_experiment_by_name("loggers-test")
-    [run] = client.search_runs([experiment.experiment_id])
-    assert run.info.run_name == "logged" and run.info.status == "FINISHED"
-    assert run.data.params["runner.logger.project_name"] == "loggers-test"
-    for tag in ("rollout/reward_scores", "actor/training/actor/final_loss", "time/step"):
-        points = {m.step: m.value for m in client.get_metric_history(run.info.run_id, tag)}
-        assert points == {s.step: pytest.approx(s.scalars()[tag]) for s in steps}, tag
-    every = set(run.data.metrics)
-    assert every == set(steps[-1].scalars()), every ^ set(steps[-1].scalars())
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        client = MlflowClient((log_dir / "mlruns").resolve().as_uri())
+        experiment = client.get_experiment_by_name("loggers-test")
+        [run] = client.search_runs([experiment.experiment_id])
+        assert run.info.run_name == run_id and run.info.status == "FINISHED"
+        assert run.data.params["runner.logger.project_name"] == "loggers-test"
+        for tag in ("rollout/reward_scores", "actor/training/actor/final_loss", "time/step"):
+            points = {m.step: m.value for m in client.get_metric_history(run.info.run_id, tag)}
+            assert points == {s.step: pytest.approx(s.scalars()[tag]) for s in steps}, tag
+        every = set(run.data.metrics)
+        assert every == set(last.scalars()), every ^ set(last.scalars())
 
 
 def test_swanlab_and_unknown_backends_are_refused_by_name():
@@ -117,3 +200,13 @@ def test_only_a_run_that_logs_to_wandb_or_mlflow_forwards_their_environment(monk
     forwarded = forwarded_env(["tensorboard", "wandb"])
     assert forwarded["WANDB_MODE"] == "offline"
     assert forwarded["MLFLOW_TRACKING_URI"] == "http://tracking:5000"
+
+
+def test_a_failed_export_warns_once_and_never_reaches_the_run(monkeypatch, caplog):
+    monkeypatch.setattr(ray_metrics, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger=ray_metrics.__name__):
+        for step in (1, 2):  # a value that is not a number: the export fails, twice
+            ray_metrics.export_step("broken", step, {"rollout/reward_scores": "n/a"})  # type: ignore[dict-item]
+    warnings = [r for r in caplog.records if r.name == ray_metrics.__name__]
+    assert len(warnings) == 1
+    assert "the run goes on" in warnings[0].getMessage()
