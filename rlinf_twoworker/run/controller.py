@@ -59,7 +59,7 @@ from rlinf_twoworker.run.observers import (
 )
 from rlinf_twoworker.run.startup import StartupClock
 from rlinf_twoworker.run.storage_io import StorageIO
-from rlinf_twoworker.run.tasks import background
+from rlinf_twoworker.run.tasks import background, in_daemon_thread
 from rlinf_twoworker.storage import checkpoints as ckpt
 from rlinf_twoworker.storage.data import (
     PromptSampler,
@@ -69,6 +69,10 @@ from rlinf_twoworker.storage.data import (
 )
 from rlinf_twoworker.storage.rollouts import write_rollouts
 from rlinf_twoworker.storage.rundir import write_placement
+
+RELEASE_S = 60.0
+"""How long a run waits for its components and placement group to be released (killing the
+actors, then removing the group: wait_removed's 10 s)."""
 
 TRAINING_MODULES = (
     "rlinf_twoworker.engines.models",
@@ -326,7 +330,7 @@ class RunController:
             if self.watch is not None:
                 self.watch.stop()
             try:  # release first: when a future raises, the cluster is already free
-                await asyncio.to_thread(self._release)
+                await self._release_bounded()
             finally:
                 if failure is not None:
                     await self._fail(*failure)
@@ -689,7 +693,7 @@ class RunController:
         from rlinf_twoworker.storage.verify import expected_from_config, verify_run
 
         self.phase = "postflight"
-        await asyncio.to_thread(self._release)
+        await self._release_bounded()
         placement = cast(
             dict[str, Any], OmegaConf.to_container(self.raw_cfg.cluster.component_placement)
         )
@@ -731,6 +735,16 @@ class RunController:
             futures = [*self.steps.values(), *self.checkpoints.values()]
             for future in [*futures, self.preflight_f, self.result_f, self.placement_f]:
                 future.fail(exc)
+
+    async def _release_bounded(self) -> None:
+        """Release the components and the placement group; a release that hangs (the cluster is
+        gone) is left behind with a warning instead of holding the run, or its process."""
+        if not await in_daemon_thread(self._release, "release", RELEASE_S):
+            self.log.info(
+                f"WARNING the release of run {self.run_id}'s components and placement group "
+                f"did not finish within {RELEASE_S:.0f} s (is the cluster or its GCS gone?); "
+                "the run goes on without waiting for it"
+            )
 
     def _release(self) -> None:
         if self.group is not None:

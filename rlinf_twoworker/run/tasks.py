@@ -4,7 +4,8 @@ the first failure raised at once."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+import threading
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from rlinf_twoworker.run.liveness import is_death
@@ -19,6 +20,28 @@ def background(work: Awaitable[T]) -> asyncio.Future[T]:
     future = asyncio.ensure_future(work)
     future.add_done_callback(_retrieve)
     return future
+
+
+async def in_daemon_thread(call: Callable[[], None], what: str, timeout_s: float) -> bool:
+    """Run `call` in a daemon thread and wait for it up to `timeout_s`: False if it has not
+    finished by then; raises what it raised. For calls to Ray's GCS that hang once the cluster
+    is gone (removing a placement group): in asyncio's executor such a call would also hold the
+    process at its exit, which joins the executor's threads, so it outlived its cluster."""
+    done, failed = threading.Event(), []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # handed to the awaiting task
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"rlinf-{what}", daemon=True).start()
+    finished = await asyncio.to_thread(done.wait, timeout_s)
+    if failed:
+        raise failed[0]
+    return finished
 
 
 def _retrieve(future: asyncio.Future) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from rlinf_twoworker.config import load_config, to_typed
 from rlinf_twoworker.results import StepResult
 from rlinf_twoworker.run.observers import StepLine, TensorBoard, step_line
 from rlinf_twoworker.run.storage_io import StorageIO
-from rlinf_twoworker.run.tasks import background
+from rlinf_twoworker.run.tasks import background, in_daemon_thread
 from rlinf_twoworker.storage.metrics import event_files, read_scalars
 
 
@@ -96,3 +98,30 @@ def test_background_work_that_nobody_awaits_never_loses_its_error():
 
     asyncio.run(unretrieved())
     assert reported and "never retrieved" in reported[0]["message"]
+
+
+def test_a_hanging_release_is_left_in_a_daemon_thread_and_an_error_is_raised():
+    """The run's release (a call to Ray's GCS, which hangs once the cluster is gone) runs in a
+    daemon thread: the wait ends at its limit, and the thread, still blocked, cannot hold the
+    process at its exit (asyncio's executor threads are joined there)."""
+    blocked, release = threading.Event(), threading.Event()
+
+    def hang() -> None:
+        blocked.set()
+        release.wait()
+
+    start = time.monotonic()
+    assert asyncio.run(in_daemon_thread(hang, "release", 0.3)) is False
+    assert 0.3 <= time.monotonic() - start < 5 and blocked.is_set()
+    [left] = [t for t in threading.enumerate() if t.name == "rlinf-release"]
+    assert left.daemon and left.is_alive()
+    release.set()
+    left.join(5)
+
+    assert asyncio.run(in_daemon_thread(lambda: None, "release", 5)) is True
+
+    def fail() -> None:
+        raise RuntimeError("the group could not be killed")
+
+    with pytest.raises(RuntimeError, match="could not be killed"):
+        asyncio.run(in_daemon_thread(fail, "release", 5))
