@@ -100,7 +100,7 @@ def test_background_work_that_nobody_awaits_never_loses_its_error():
     assert reported and "never retrieved" in reported[0]["message"]
 
 
-def test_a_hanging_release_is_left_in_a_daemon_thread_and_an_error_is_raised():
+def test_a_hanging_release_is_left_in_a_daemon_thread_and_a_failing_one_raises():
     """The run's release (a call to Ray's GCS, which hangs once the cluster is gone) runs in a
     daemon thread: the wait ends at its limit, and the thread, still blocked, cannot hold the
     process at its exit (asyncio's executor threads are joined there)."""
