@@ -54,7 +54,7 @@ RUN_SCRIPT = textwrap.dedent(
     root = Path(sys.argv[1])
     inputs = make_inputs(root / "inputs")
     cfg = demo_config(inputs, root / "runs", "preloaded")
-    with LocalCluster(num_nodes=2, gpus_per_node=2, cpus_per_node=2, preload=True, cpu_head=True):
+    with LocalCluster(num_nodes=2, gpus_per_node=2, cpus_per_node=1, preload=True, cpu_head=True):
         here = ray.get_runtime_context().get_node_id()
         [own] = [n for n in ray.nodes() if n["NodeID"] == here]
         handle = run_grpo_two_worker(cfg)
