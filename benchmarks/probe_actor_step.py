@@ -1,6 +1,7 @@
 """Where one GRPO step's actor update goes at the tutorial job's shape, on one GPU.
 
     python -m benchmarks actor_step [--rows 16] [--group 2] [--seq 1024] [--prompt 256] [--cut 4096]
+        [--override KEY=VALUE ...]
 
 The library's ActorWorker, built as a run builds it (FSDP2 over a one-rank NCCL group, compiled
 decoder layers, fused AdamW), on the 1.5B shape with random weights (bench_gpu.make_model_dir)
@@ -68,6 +69,12 @@ def main() -> None:
     parser.add_argument("--root", default="/tmp/rlinf-bench")
     parser.add_argument("--model", default=None, help="a model directory (default: the 1.5B)")
     parser.add_argument("--cpu", action="store_true", help="a smoke run on CPUs (gloo)")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="a config override, e.g. actor.fsdp_config.reshard_after_forward=false (repeatable)",
+    )
     args = parser.parse_args()
     root = Path(args.root)
     model_dir = Path(args.model) if args.model else make_model_dir(root)
@@ -81,6 +88,7 @@ def main() -> None:
         f"runner.seq_length={args.seq}",
         f"data.max_prompt_length={args.prompt}",
         *([] if cuda else ["cluster.accelerator=cpu"]),
+        *args.override,
     ]
     cfg = to_typed(load_config(overrides=overrides))
     os.environ.setdefault("NCCL_IB_DISABLE", "1")

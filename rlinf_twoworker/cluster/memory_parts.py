@@ -195,7 +195,8 @@ def micro_batch_tokens(
 
 def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool) -> dict[str, int]:
     """One FSDP actor rank: its shard of the master weights, gradients and Adam's two moments,
-    the layers gathered for compute, one micro-batch's activations and logits. The layers are
+    the layers gathered for compute (all of them with actor.fsdp_config.reshard_after_forward
+    false), one micro-batch's activations and logits. The layers are
     gathered and computed in mixed_precision.param_dtype (the master weights' dtype when null);
     the gradient shards keep the master weights' dtype (FSDP2 casts the reduced gradients back
     to it, whatever reduce_dtype); the loss scaler's state is a few scalars."""
@@ -211,11 +212,14 @@ def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool)
     else:
         activations = tokens * shape.layers * per_layer
     shard = -(-shape.params // ranks)
+    # Gathered layers: the one computing and the next one prefetched, or, with
+    # reshard_after_forward=false, every layer from its forward to its backward.
+    kept_layers = 2 if cfg.actor.fsdp_config.reshard_after_forward else shape.layers
     return {
         "weights": shard * master,
         "gradients": shard * master,
         "optimizer": shard * 2 * 4,  # Adam's moments in float32
-        "gathered": (shape.embedding_params + 2 * shape.layer_params) * compute,
+        "gathered": (shape.embedding_params + kept_layers * shape.layer_params) * compute,
         "activations": activations,
         "logits": tokens * shape.vocab * LOGIT_BYTES_TRAIN,
     }

@@ -194,7 +194,6 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule("actor.fsdp_config.cpu_offload", (False,), "CPU offload is not supported; set false"),
     Rule("actor.fsdp_config.offload_pin_memory", None, "used only with cpu_offload"),
-    Rule("actor.fsdp_config.reshard_after_forward", None, "a memory/speed knob; same result"),
     Rule("actor.fsdp_config.enable_gradient_accumulation", None, "a speed knob; same gradient"),
     Rule("actor.fsdp_config.forward_prefetch", None, "a speed knob; same result"),
     Rule("actor.fsdp_config.limit_all_gathers", None, "a speed knob; same result"),
@@ -302,9 +301,9 @@ class EngineSettings:
 
 @dataclass(kw_only=True)
 class FsdpConfig:
-    """RLinf's actor.fsdp_config. gradient_checkpointing, save_full_model_weights and the
-    precision keys (mixed_precision, amp_autocast, grad_scaler: config.precision) act; every
-    other key has its rule in config.rlinf.RULES."""
+    """RLinf's actor.fsdp_config. gradient_checkpointing, reshard_after_forward,
+    save_full_model_weights and the precision keys (mixed_precision, amp_autocast, grad_scaler:
+    config.precision) act; every other key has its rule in config.rlinf.RULES."""
 
     strategy: str = "fsdp"
     sharding_strategy: str = "full_shard"
@@ -313,6 +312,11 @@ class FsdpConfig:
     cpu_offload: bool = False
     offload_pin_memory: bool = False
     reshard_after_forward: bool = True
+    """As FSDP2's fully_shard takes it (RLinf passes it there): true frees each decoder layer's
+    gathered parameters after its forward and gathers them again for its backward; false keeps
+    them from the forward to the backward, which saves a gather (a copy of every parameter
+    when the actor has one rank) and holds the whole model gathered, in
+    mixed_precision.param_dtype, which the memory plan counts. The update is the same."""
     enable_gradient_accumulation: bool = True
     forward_prefetch: bool = False
     limit_all_gathers: bool = False

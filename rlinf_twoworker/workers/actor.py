@@ -102,13 +102,15 @@ def prepare_for_training(
     precision: MixedPrecision | None,
     activation_checkpointing: bool,
     compiled: bool,
+    reshard_after_forward: bool = True,
 ) -> Any:
     """Shard `model` with FSDP2 over `mesh`, one unit per decoder layer plus the root.
 
     precision: actor.fsdp_config.mixed_precision as RLinf's FSDP2 strategy applies it: each
     layer is gathered in param_dtype to compute (forward and backward) and its gradients are
     reduce-scattered in reduce_dtype; floating buffers are cast to buffer_dtype; the master
-    weights keep the loaded dtype. None: no cast (the CPU path). compiled: each decoder
+    weights keep the loaded dtype. None: no cast (the CPU path). reshard_after_forward:
+    actor.fsdp_config.reshard_after_forward, for every unit. compiled: each decoder
     layer's forward goes through
     `torch.compile` (its norms, rotary, SwiGLU and residual adds fuse into few kernels; the
     GEMMs and attention stay cuBLAS / SDPA); compiled in place, so parameter names, state dicts
@@ -121,7 +123,7 @@ def prepare_for_training(
         enable = getattr(model, "activation_checkpointing_enable", None)
         (enable or model.gradient_checkpointing_enable)()
     model.config.use_cache = False
-    kwargs: dict[str, Any] = {"mesh": mesh}
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if precision is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=_dtype(precision.param_dtype),
@@ -182,6 +184,7 @@ class ActorWorker(Worker):
             precision=cfg.actor.fsdp_config.mixed_precision if self.device.type == "cuda" else None,
             activation_checkpointing=cfg.actor.recompute,
             compiled=self.compiled,
+            reshard_after_forward=cfg.actor.fsdp_config.reshard_after_forward,
         )
         self.model = model
         self.optimizer = adamw(model.parameters(), cfg.actor.optim, self.device.type == "cuda")

@@ -4,6 +4,7 @@ and a real run refused before any model loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -111,6 +112,11 @@ def test_each_part_matches_the_hand_computed_size(tiny):
     }
     recomputed = mparts.actor_parts(cfg, shape, ranks=2, recompute=True)
     assert recomputed["activations"] == 2048 * (2 * 2 * 16 + per_layer)
+    # Layers kept gathered from the forward to the backward: every layer (5 here), not two.
+    deep = dataclasses.replace(shape, layers=5)
+    kept = gpu_config(tiny, "actor.fsdp_config.reshard_after_forward=false")
+    assert mparts.actor_parts(cfg, deep, 2, False)["gathered"] == (2048 + 2 * LAYER) * 2
+    assert mparts.actor_parts(kept, deep, 2, False)["gathered"] == (2048 + 5 * LAYER) * 2
     rollout = mparts.rollout_parts(cfg, shape)
     assert rollout == {
         "weights": PARAMS * 2,

@@ -168,6 +168,34 @@ def test_token_budget_micro_batches_give_the_one_row_gradient(world):
     assert any(not torch.allclose(other[n], g, atol=1e-6) for n, g in one_row.items())
 
 
+def test_layers_kept_gathered_after_the_forward_give_the_same_gradient(world):
+    """actor.fsdp_config.reshard_after_forward=false (RLinf passes it to fully_shard): after a
+    forward each decoder layer keeps its parameters gathered (plain tensors, not DTensor
+    shards) until its backward, and the gradient is the default's."""
+    from torch.distributed.tensor import DTensor
+
+    resharded, resharded_sums, shard = _gradients(world, [])
+    inputs, root = world
+    overrides = [*ONE_MINIBATCH, "actor.fsdp_config.reshard_after_forward=false"]
+    cfg = to_typed(demo_config(inputs, str(root / "runs"), "kept", overrides))
+    actor = ActorWorker(cfg, 0)
+    actor.actor_group = dist.group.WORLD
+    actor.build()
+    weight = lambda: actor.model.model.layers[0].mlp.down_proj.weight  # noqa: E731
+    assert isinstance(weight(), DTensor)
+    part = shard.batch.rows(list(range(len(shard.batch.input_ids))))
+    logprobs, _ = actor._logprobs(part)
+    assert not isinstance(weight(), DTensor)  # still gathered between forward and backward
+    logprobs.sum().backward()
+    assert isinstance(weight(), DTensor)  # resharded after its backward
+    actor.optimizer.zero_grad(set_to_none=True)
+    kept_sums, _ = actor.accumulate(shard)
+    kept = {n: p.grad.full_tensor() for n, p in actor.model.named_parameters()}
+    assert float(kept_sums["final_loss"]) == pytest.approx(resharded_sums["final_loss"], rel=1e-6)
+    for name, grad in resharded.items():
+        assert torch.allclose(kept[name], grad, atol=1e-7, rtol=1e-6), name
+
+
 def _dropout_actor(world, run_id: str) -> ActorWorker:
     """A built actor whose attention drops out (so its updates draw random numbers)."""
     inputs, root = world
