@@ -106,17 +106,24 @@ ONE_MINIBATCH = [
 ]
 
 
-def _trained_actor(world, break_compiler: bool) -> tuple[dict, dict[str, torch.Tensor], list]:
+def _built_actor(world, run_id: str, overrides: list[str] | None = None) -> ActorWorker:
+    """A built rank-0 actor of the one-rank world, on the demo's config with ONE_MINIBATCH and
+    `overrides`."""
     inputs, root = world
-    cfg = to_typed(demo_config(inputs, str(root / "runs"), "actor-test", ONE_MINIBATCH))
-    actor = ActorWorker(cfg, 0)
+    config = demo_config(inputs, str(root / "runs"), run_id, ONE_MINIBATCH + (overrides or []))
+    actor = ActorWorker(to_typed(config), 0)
     actor.actor_group = dist.group.WORLD
     actor.build()
+    return actor
+
+
+def _trained_actor(world, break_compiler: bool) -> tuple[dict, dict[str, torch.Tensor], list]:
+    actor = _built_actor(world, "actor-test")
     if break_compiler:  # a real torch.compile failure, in the first forward of the update
         for layer in actor.model.model.layers:
             layer.compile(backend=_broken_backend)
         actor.compiled = True
-    shard = _shard(cfg)
+    shard = _shard(actor.cfg)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         metrics = actor.train_step([shard]).metrics
@@ -135,12 +142,8 @@ def test_a_compiler_failure_falls_back_to_eager_and_keeps_the_update(world):
 
 
 def _gradients(world, overrides: list[str], shard: ActorShard | None = None):
-    inputs, root = world
-    cfg = to_typed(demo_config(inputs, str(root / "runs"), "grad", ONE_MINIBATCH + overrides))
-    actor = ActorWorker(cfg, 0)
-    actor.actor_group = dist.group.WORLD
-    actor.build()
-    shard = shard or _shard(cfg)
+    actor = _built_actor(world, "grad", overrides)
+    shard = shard or _shard(actor.cfg)
     actor.optimizer.zero_grad(set_to_none=True)
     sums, _ = actor.accumulate(shard)
     grads = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
@@ -175,12 +178,7 @@ def test_layers_kept_gathered_after_the_forward_give_the_same_gradient(world):
     from torch.distributed.tensor import DTensor
 
     resharded, resharded_sums, shard = _gradients(world, [])
-    inputs, root = world
-    overrides = [*ONE_MINIBATCH, "actor.fsdp_config.reshard_after_forward=false"]
-    cfg = to_typed(demo_config(inputs, str(root / "runs"), "kept", overrides))
-    actor = ActorWorker(cfg, 0)
-    actor.actor_group = dist.group.WORLD
-    actor.build()
+    actor = _built_actor(world, "kept", ["actor.fsdp_config.reshard_after_forward=false"])
     weight = lambda: actor.model.model.layers[0].mlp.down_proj.weight  # noqa: E731
     assert isinstance(weight(), DTensor)
     part = shard.batch.rows(list(range(len(shard.batch.input_ids))))
@@ -198,11 +196,7 @@ def test_layers_kept_gathered_after_the_forward_give_the_same_gradient(world):
 
 def _dropout_actor(world, run_id: str) -> ActorWorker:
     """A built actor whose attention drops out (so its updates draw random numbers)."""
-    inputs, root = world
-    cfg = to_typed(demo_config(inputs, str(root / "runs"), run_id, ONE_MINIBATCH))
-    actor = ActorWorker(cfg, 0)
-    actor.actor_group = dist.group.WORLD
-    actor.build()
+    actor = _built_actor(world, run_id)
     for layer in actor.model.model.layers:
         layer.self_attn.attention_dropout = 0.3
     return actor
@@ -283,13 +277,9 @@ def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(world, t
     weights and AdamW moments; a second checkpoint reuses the same buffers."""
     from rlinf_twoworker.engines import staging
 
-    inputs, root = world
-    cfg = to_typed(demo_config(inputs, str(root / "runs"), "staging-test", ONE_MINIBATCH))
-    actor = ActorWorker(cfg, 0)
-    actor.actor_group = dist.group.WORLD
-    actor.build()
+    actor = _built_actor(world, "staging-test")
     assert actor.staging is None  # on GPUs only, where the copy sets the checkpoint's pace
-    actor.train_step([_shard(cfg)])
+    actor.train_step([_shard(actor.cfg)])
     actor.staging = buffers = staging.for_model(actor.model, copies=3)
     # What the host-memory guard weighs: three fp32 copies of this rank's parameter shards.
     local = sum(p.to_local().numel() * p.element_size() for p in actor.model.parameters())
