@@ -126,7 +126,7 @@ def main() -> None:
         return time.perf_counter() - start, stats
 
     warm = [update()[0] for _ in range(2)]
-    timed = [update() for _ in range(2)]
+    timed = [update() for _ in range(4)]
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with profile(activities=activities) as prof:
         wall, stats = update()
@@ -145,6 +145,9 @@ def main() -> None:
         "kernels": kernels,
         "host_ops": _table(prof, "self_cpu_time_total", 30, gpu=False),
     }
+    if cuda:  # what the update holds at its peak: the figure a memory-plan change must keep
+        out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        out["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
     print(json.dumps(out, indent=1))
     dist.destroy_process_group()
 
