@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import textwrap
 import time
 
 import pytest
@@ -198,46 +197,38 @@ def test_request_returns_before_the_group_is_ready(cluster_2x2):
         assert wait_removed(pg)
 
 
-# --- a 3-node x 1-GPU cluster, in its own process --------------------------------------------
+# --- three nodes, one GPU a bundle: a third node joins the session's cluster ------------------
 
-THREE_NODES = textwrap.dedent(
-    """
-    import json, ray
-    from rlinf_twoworker.config import ClusterConfig
-    from rlinf_twoworker.cluster.local import LocalCluster
-    from rlinf_twoworker.cluster.placement import (
-        bundle_node_ids, create_placement_group, scheduling_options,
-    )
-    from rlinf_twoworker.config.placement import resolve_placement
 
-    @ray.remote(num_cpus=0)
-    def where():
-        return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
-
-    with LocalCluster(num_nodes=3, gpus_per_node=1, cpus_per_node=1):
+def test_three_nodes_one_gpu_each_places(cluster_2x2):
+    """num_nodes=3 x num_gpus_per_node=1: three bundles of one GPU, one a node, bundle 0 on the
+    driver's node, each component on its bundle's node with one GPU of it. The third node (one
+    GPU) joins the session's 2x2 cluster for this test and leaves after it."""
+    ray_cluster = cluster_2x2._cluster
+    node = ray_cluster.add_node(**{**cluster_2x2._node_args(2), "num_gpus": 1})
+    try:
+        ray_cluster.wait_for_nodes()
         cluster = ClusterConfig(
-            num_nodes=3, num_gpus_per_node=1,
+            num_nodes=3,
+            num_gpus_per_node=1,
             component_placement={"rollout": 0, "reward": 0, "inference": 1, "actor": 2},
         )
         placement = resolve_placement(cluster)
         pg = create_placement_group(cluster, "three", timeout_s=30)
-        found = ray.get([
-            where.options(**scheduling_options(pg, placement, s)).remote()
-            for s in placement.slots
-        ])
-        print(json.dumps({
-            "driver": ray.get_runtime_context().get_node_id(),
-            "bundles": bundle_node_ids(pg),
-            "found": {s.name: [s.bundle, *w] for s, w in zip(placement.slots, found)},
-        }))
-    """
-)
-
-
-def test_three_nodes_one_gpu_each_places(own_process):
-    result = own_process(THREE_NODES, timeout=120)
-    bundles = result["bundles"]
-    assert len(set(bundles)) == 3 and bundles[0] == result["driver"]
-    for name, (bundle, node, gpus) in result["found"].items():
-        assert node == bundles[bundle], name
-        assert len(gpus) == 1, name
+        try:
+            bundles = bundle_node_ids(pg)
+            found = start_pinned(pg, placement)
+        finally:
+            assert wait_removed(pg)
+    finally:
+        ray_cluster.remove_node(node)
+        gone = time.monotonic() + 30  # the later tests count the session's nodes
+        while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
+            assert time.monotonic() < gone, "the third node still counts as alive"
+            time.sleep(0.1)
+    assert len(set(bundles)) == 3 and bundles[0] == ray.get_runtime_context().get_node_id()
+    assert node.node_id in bundles
+    for slot in placement.slots:
+        where, gpus = found[slot.name]
+        assert where == bundles[slot.bundle], slot
+        assert len(gpus) == 1, slot
