@@ -102,6 +102,8 @@ def test_two_step_run_end_to_end(reference_run, inputs, tmp_path):
     report = handle.result(timeout=TIMEOUT)
     assert report.passed, report.errors
     assert handle.done() and handle.status()["state"] == "succeeded"
+    # The same report as a Ray future (what an asyncio program awaits).
+    assert ray.get(handle.result_ref(), timeout=TIMEOUT).errors == report.errors
     # The run's record of where it placed everything: each process as topology() answers,
     # each component as the tutorial's placement resolves, and the postflight reports that.
     record = json.loads((run_dir / "placement.json").read_text())

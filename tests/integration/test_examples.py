@@ -41,27 +41,6 @@ def test_driver_starts_its_own_local_cluster_and_trains(tmp_path):
 
 
 @pytest.mark.slow
-def test_notebook_example_awaits_each_step_and_plots(cluster_2x2, tmp_path):
-    plot = tmp_path / "rewards.png"
-    done = run_example(
-        "notebook_live_rewards.py",
-        "--demo",
-        "--address",
-        cluster_2x2.address,
-        "--output-root",
-        str(tmp_path),
-        "--plot",
-        str(plot),
-        *ONE_RANK,  # an override the example passes on: its subject is not the actor's ranks
-        cwd=tmp_path,
-    )
-    live = [line for line in done.stdout.splitlines() if line.startswith("LIVE_REWARD ")]
-    assert [line.split()[1] for line in live] == ["step=1", "step=2"], done.stdout
-    assert plot.read_bytes()[:4] == b"\x89PNG"
-    assert "postflight passed" in done.stdout
-
-
-@pytest.mark.slow
 def test_embed_example_feeds_step_futures_to_its_own_tasks(cluster_2x2, tmp_path):
     done = run_example(
         "embed_in_ray_program.py",
