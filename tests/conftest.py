@@ -14,7 +14,12 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("NCCL_IB_DISABLE", "1")
 
 import pytest  # noqa: E402
-from support import NODE_CODE, REFERENCE_SETTINGS, FinishedRun  # noqa: E402
+from support import (  # noqa: E402
+    NODE_CODE,
+    REFERENCE_LOGGERS,
+    REFERENCE_SETTINGS,
+    FinishedRun,
+)
 
 from rlinf_twoworker.cluster.local import LocalCluster  # noqa: E402
 
@@ -57,15 +62,21 @@ def finished_inputs(tmp_path_factory):
 def reference_run(cluster_2x2, finished_inputs, tmp_path_factory) -> FinishedRun:
     """The demo's 2-step run on the digit task with REFERENCE_SETTINGS, run once for the
     session: test_engine checks it end to end, test_warmup compares a warmed-up run with it,
-    and the tests that read a run back use its directory (they change only copies of it)."""
+    test_metric_loggers reads its metrics back from every logger (REFERENCE_LOGGERS) and Ray's
+    endpoint, and the tests that read a run back use its directory (they change only copies
+    of it)."""
     import ray
 
     from rlinf_twoworker import run_grpo_two_worker
     from rlinf_twoworker.api.demo import demo_config
 
     root = tmp_path_factory.mktemp("reference")
-    cfg = demo_config(finished_inputs, root, "e2e", REFERENCE_SETTINGS)
-    handle = run_grpo_two_worker(cfg)
+    cfg = demo_config(finished_inputs, root, "e2e", [*REFERENCE_SETTINGS, *REFERENCE_LOGGERS])
+    with pytest.MonkeyPatch.context() as env:  # forwarded to the controller as the run starts
+        env.setenv("WANDB_MODE", "offline")
+        env.setenv("WANDB_SILENT", "true")
+        env.delenv("MLFLOW_TRACKING_URI", raising=False)  # MLflow's file store in the run's dir
+        handle = run_grpo_two_worker(cfg)
     steps = [ray.get(handle.step(n), timeout=300) for n in (1, 2)]
     checkpoint = ray.get(handle.checkpoint(2), timeout=300)
     report = handle.result(timeout=300)

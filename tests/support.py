@@ -5,6 +5,7 @@ pytest puts this folder on sys.path (pyproject's `pythonpath`): `from support im
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,19 @@ fewer makes a run about a fifth cheaper on a CPU host (benchmarks' run_cost)."""
 REFERENCE_SETTINGS = ["actor.optim.lr=1e-3", "rollout.validate_weight=true"]
 """The reference run's overrides of the demo: lr high enough that training moves the weights,
 the weight sync checked bit for bit after every step."""
+
+
+LOGGED_EXTRAS = [name for name in ("wandb", "mlflow") if importlib.util.find_spec(name) is not None]
+"""The optional metric backends installed here: the reference run logs to each of them beside
+TensorBoard (wandb offline, MLflow's file store in the run directory), and
+test_metric_loggers reads them back; where one is absent, its part is skipped."""
+
+REFERENCE_LOGGERS = [
+    f"runner.logger.logger_backends=[{','.join(['tensorboard', *LOGGED_EXTRAS])}]",
+    "runner.logger.project_name=reference",
+]
+"""The reference run's logger settings (they change no training: test_warmup's run without
+them trains as the reference run)."""
 
 
 @dataclass

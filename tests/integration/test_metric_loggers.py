@@ -1,11 +1,10 @@
 """Where a run's metrics go: runner.logger.logger_backends (wandb offline, MLflow's file store,
 beside TensorBoard) and Ray's metrics system (run/ray_metrics.py), read back from the Prometheus
-endpoint of the controller's node on loopback, as the cluster's Prometheus would scrape it; one
-real 2 x 2 run, no network."""
+endpoint of the controller's node on loopback, as the cluster's Prometheus would scrape it; the
+session's reference run (2 x 2, conftest.py), no network."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
@@ -19,10 +18,8 @@ from pathlib import Path
 
 import pytest
 import ray
-from support import ONE_RANK
+from support import LOGGED_EXTRAS
 
-from rlinf_twoworker import run_grpo_two_worker
-from rlinf_twoworker.api.demo import demo_config
 from rlinf_twoworker.config import load_config, to_typed
 from rlinf_twoworker.errors import ConfigError
 from rlinf_twoworker.run import ray_metrics
@@ -106,32 +103,21 @@ def wandb_history(run_file: Path) -> list[dict]:
     return history
 
 
-@pytest.mark.slow
-def test_every_steps_metrics_reach_each_logger_and_rays_endpoint(
-    cluster_2x2, finished_inputs, tmp_path, monkeypatch
-):
-    """One run with every backend: wandb (offline) and MLflow hold each step's metrics, and
-    Ray's metrics endpoint of the controller's node shows the last step's and the run's
-    state. wandb and MLflow are optional extras: where one is absent, its part is skipped."""
-    extras = [name for name in ("wandb", "mlflow") if importlib.util.find_spec(name) is not None]
-    monkeypatch.setenv("WANDB_MODE", "offline")  # forwarded to the controller by the run
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    run_id = "logged"
-    overrides = [
-        f"runner.logger.logger_backends=[{','.join(['tensorboard', *extras])}]",
-        "runner.logger.project_name=loggers-test",
-    ]
+def test_every_steps_metrics_reach_each_logger_and_rays_endpoint(reference_run, monkeypatch):
+    """The session's reference run logs with every backend (conftest.py, REFERENCE_LOGGERS):
+    wandb (offline) and MLflow hold each step's metrics, and Ray's metrics endpoint of the
+    controller's node shows the last step's and the run's state, and keeps them while the
+    controller lives. wandb and MLflow are optional extras: where one is absent, its part is
+    skipped."""
+    extras = LOGGED_EXTRAS
+    run_id = reference_run.run_dir.name
     # The session's cluster reports every 2 s (conftest.py; Ray's default is 10 s): a value
     # shows within two report intervals.
     interval_s = max(ray._config.metrics_report_interval_ms(), 1000) / 1000
     export_s = 3 * interval_s + 10
-    handle = run_grpo_two_worker(
-        demo_config(finished_inputs, tmp_path, run_id, [*ONE_RANK, *overrides])
-    )
-    steps = [ray.get(handle.step(n), timeout=TIMEOUT) for n in (1, 2)]
-    recorded_at = time.monotonic()  # the controller records a step before its future resolves
+    handle, steps = reference_run.handle, reference_run.steps
     last = steps[-1]
+    recorded_at = last.finished_at  # the controller records a step before its future resolves
 
     # Ray's metrics system: the last step's values and the step counters, then the run's state.
     url = metrics_url()
@@ -144,18 +130,17 @@ def test_every_steps_metrics_reach_each_logger_and_rays_endpoint(
     wait_for(url, metric, step_s, export_s, until=close(last.timings["time/step"]))
     for gauge in ("ray_rlinf_twoworker_step", "ray_rlinf_twoworker_steps_total"):
         wait_for(url, gauge, {"run_id": run_id}, export_s, until=lambda v: v == 2)
-    report = handle.result(timeout=TIMEOUT)
-    assert report.passed, report.errors
+    assert handle.result(timeout=TIMEOUT).passed
     state = "ray_rlinf_twoworker_state"
     succeeded = {"run_id": run_id, "state": "succeeded"}
     assert wait_for(url, state, succeeded, export_s, until=lambda v: v == 1) == 1
     assert wait_for(url, state, {"run_id": run_id, "state": "running"}, export_s) == 0
     # Ray's agent forgets a gauge its process has not recorded for two report intervals (after
     # the one it was exported in); the finished step's values stay while the controller lives.
-    time.sleep(max(0.0, recorded_at + 3.5 * interval_s - time.monotonic()))
+    time.sleep(max(0.0, recorded_at + 3.5 * interval_s - time.time()))
     assert close(expected)(wait_for(url, metric, reward, 0))
 
-    log_dir = tmp_path / run_id
+    log_dir = reference_run.run_dir
     if "wandb" in extras:
         [run_file] = (log_dir / "wandb").glob("wandb/offline-run-*/run-*.wandb")
         history = {int(h["_step"]): h for h in wandb_history(run_file)}
@@ -169,10 +154,10 @@ def test_every_steps_metrics_reach_each_logger_and_rays_endpoint(
 
         monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
         client = MlflowClient((log_dir / "mlruns").resolve().as_uri())
-        experiment = client.get_experiment_by_name("loggers-test")
+        experiment = client.get_experiment_by_name("reference")
         [run] = client.search_runs([experiment.experiment_id])
         assert run.info.run_name == run_id and run.info.status == "FINISHED"
-        assert run.data.params["runner.logger.project_name"] == "loggers-test"
+        assert run.data.params["runner.logger.project_name"] == "reference"
         for tag in ("rollout/reward_scores", "actor/training/actor/final_loss", "time/step"):
             points = {m.step: m.value for m in client.get_metric_history(run.info.run_id, tag)}
             assert points == {s.step: pytest.approx(s.scalars()[tag]) for s in steps}, tag
