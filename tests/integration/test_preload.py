@@ -3,9 +3,12 @@ without touching CUDA, and hand a GPU actor its own GPUs afterwards."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
+
+from support import ONE_RANK
 
 
 def test_preload_imports_cleanly_without_touching_cuda():
@@ -53,7 +56,7 @@ RUN_SCRIPT = textwrap.dedent(
 
     root = Path(sys.argv[1])
     inputs = make_inputs(root / "inputs")
-    cfg = demo_config(inputs, root / "runs", "preloaded")
+    cfg = demo_config(inputs, root / "runs", "preloaded", json.loads(sys.argv[2]))
     with LocalCluster(num_nodes=2, gpus_per_node=2, cpus_per_node=1, preload=True, cpu_head=True):
         here = ray.get_runtime_context().get_node_id()
         [own] = [n for n in ray.nodes() if n["NodeID"] == here]
@@ -82,7 +85,9 @@ def test_the_tutorial_job_on_a_cpu_head_runs_in_preloaded_workers(tmp_path, own_
       workers import it when they start (those it starts ahead of a job, on every node, while
       they idle; when they start is Ray's) before taking any work, and leave CUDA untouched: a
       GPU actor started after the run, on each GPU node, sees only the GPU Ray gave it."""
-    out = own_process(RUN_SCRIPT, str(tmp_path), timeout=1200)
+    # ONE_RANK: the subject is where components run and what their workers imported, not the
+    # actor's ranks.
+    out = own_process(RUN_SCRIPT, str(tmp_path), json.dumps(ONE_RANK), timeout=1200)
     assert out["passed"], out["errors"]
     log = (tmp_path / "runs" / "preloaded" / "log" / "main.log").read_text()
     # The CPU head.
@@ -93,9 +98,9 @@ def test_the_tutorial_job_on_a_cpu_head_runs_in_preloaded_workers(tmp_path, own_
     assert f"on node {placed['rollout'][:8]}" in log and f"controller's node {here[:8]}" in log
     # The preloaded workers.
     [line] = [line for line in log.splitlines() if "STARTUP preloaded workers" in line]
-    for who in ("rollout:0", "reward:0", "inference:0", "actor:0", "actor:1"):
+    for who in ("rollout:0", "reward:0", "inference:0", "actor:0"):
         assert who in line, line
-    assert "of 5 components" in line
+    assert "of 4 components" in line
     reports = out["probes"]
     assert len({r["node"] for r in reports}) == 2  # one on each GPU node
     assert here not in {r["node"] for r in reports}
