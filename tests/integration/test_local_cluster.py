@@ -113,27 +113,20 @@ def test_address_before_start_is_an_error():
         _ = LocalCluster(1, 1).address
 
 
-def test_second_cluster_leaves_this_process_connected_to_the_first(cluster_2x2):
-    """A process already connected (this session) is neither moved nor disconnected."""
-    with LocalCluster(num_nodes=1, gpus_per_node=1, cpus_per_node=1) as other:
-        assert other.address != cluster_2x2.address
-        assert len([n for n in ray.nodes() if n["Alive"]]) == 2  # still the session's cluster
-    assert ray.is_initialized()
-    assert len([n for n in ray.nodes() if n["Alive"]]) == 2
-    actor = Pinned.remote()
-    assert ray.get(actor.node.remote(), timeout=60)
-    ray.kill(actor)
-
-
 def _read(path: str) -> str:
     with open(path) as handle:
         return handle.read()
 
 
-def test_a_local_cluster_leaves_another_clusters_address_and_sessions_alone(tmp_path):
-    """On a managed Head the platform's cluster is found through <default temp dir>/
-    ray_current_cluster and /tmp/ray/session_latest: a LocalCluster must not rewrite or
-    delete either (its own session files live in a directory of its own)."""
+def test_a_second_local_cluster_leaves_this_process_and_another_clusters_files_alone(
+    cluster_2x2,
+):
+    """A second LocalCluster, started from this session's process (already connected to its
+    cluster):
+    - the process is neither moved nor disconnected;
+    - on a managed Head the platform's cluster is found through <default temp dir>/
+      ray_current_cluster and /tmp/ray/session_latest: a LocalCluster must not rewrite or
+      delete either (its own session files live in a directory of its own, removed with it)."""
     from ray._common.utils import get_default_ray_temp_dir
 
     default = get_default_ray_temp_dir()
@@ -145,9 +138,10 @@ def test_a_local_cluster_leaves_another_clusters_address_and_sessions_alone(tmp_
     with open(address_file, "w") as handle:
         handle.write("10.11.12.13:6379")  # "the platform's cluster"
     try:
-        cluster = LocalCluster(num_nodes=1, gpus_per_node=1, connect=False)
-        with cluster:
-            own = cluster._temp_dir
+        with LocalCluster(num_nodes=1, gpus_per_node=1, cpus_per_node=1) as other:
+            assert other.address != cluster_2x2.address
+            assert len([n for n in ray.nodes() if n["Alive"]]) == 2  # still the session's
+            own = other._temp_dir
             assert own is not None and not own.startswith(default + os.sep)
             assert any(name.startswith("session_") for name in os.listdir(own))
             assert _read(address_file) == "10.11.12.13:6379"
@@ -161,6 +155,11 @@ def test_a_local_cluster_leaves_another_clusters_address_and_sessions_alone(tmp_
         else:
             with open(address_file, "w") as handle:
                 handle.write(before)
+    assert ray.is_initialized()
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+    actor = Pinned.remote()
+    assert ray.get(actor.node.remote(), timeout=60)
+    ray.kill(actor)
 
 
 def test_system_config_reaches_the_driver_and_the_workers(cluster_2x2):
