@@ -1,5 +1,5 @@
-"""A run inside a placement group its caller owns: a group passed in, the calling task's own
-group ("current"), and groups that do not fit the config (refused by name, nothing written).
+"""A run inside a placement group its caller owns: the calling task's own group ("current"),
+and groups passed in that do not fit the config (refused by name, nothing written).
 A real 2-node cluster, real groups; the run never removes a group it did not create."""
 
 from __future__ import annotations
@@ -38,22 +38,37 @@ def _group(
     return pg
 
 
-def test_a_run_in_the_callers_group_leaves_the_group_to_the_caller(cluster_2x2, inputs, tmp_path):
-    """Bundle 0 where Ray or the caller put it, here on the other node than the caller's: the
-    Head's components go there, the controller stays with the caller."""
+def test_a_run_in_the_group_its_calling_task_runs_in_leaves_the_group_to_the_caller(
+    cluster_2x2, inputs, tmp_path
+):
+    """A Ray task of the caller's, in bundle 1 of the caller's group, starts a run with
+    placement_group="current" (what a Tune trial does). Bundle 0 is where the caller put it, on
+    the other node than the task's: the Head's components go there, the controller stays with
+    the calling task, and the group stays the caller's."""
     here = ray.get_runtime_context().get_node_id()
     other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
     pg = _group(first=other)
-    try:
-        handle = run_grpo_two_worker(
-            demo_config(inputs, tmp_path, "callers", ONE_RANK), placement_group=pg
-        )
+    cfg = demo_config(inputs, tmp_path, "callers", ONE_RANK)
+
+    @ray.remote(num_cpus=0)
+    def trial(cfg) -> dict:
+        handle = run_grpo_two_worker(cfg, placement_group="current")
         report = handle.result(timeout=TIMEOUT)
-        assert report.passed, report.errors
-        assert handle.placement_group.id == pg.id
-        nodes = bundle_node_ids(pg)
-        assert nodes[0] == other
-        placed = {row["component"]: row["node_id"] for row in handle.topology()}
+        return {
+            "passed": report.passed,
+            "errors": report.errors,
+            "group": handle.placement_group.id.hex(),
+            "placed": {row["component"]: row["node_id"] for row in handle.topology()},
+            "caller": ray.get_runtime_context().get_node_id(),
+        }
+
+    try:
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1)
+        run = ray.get(trial.options(scheduling_strategy=strategy).remote(cfg), timeout=TIMEOUT)
+        assert run["passed"], run["errors"]
+        assert run["group"] == pg.id.hex()
+        assert bundle_node_ids(pg) == [other, here] and run["caller"] == here
+        placed = run["placed"]
         assert placed["rollout"] == placed["reward"] == placed["inference"] == other
         assert placed["actor"] == here
         # Released what it made (its actors), not the caller's group.
@@ -67,31 +82,8 @@ def test_a_run_in_the_callers_group_leaves_the_group_to_the_caller(cluster_2x2, 
         def holds_the_gpus() -> list:
             return ray.get_gpu_ids()
 
-        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1)
         gpus = holds_the_gpus.options(scheduling_strategy=strategy).remote()
         assert len(ray.get(gpus, timeout=60)) == 2
-    finally:
-        wait_removed(pg)
-
-
-def test_current_takes_the_group_the_calling_task_runs_in(cluster_2x2, inputs, tmp_path):
-    pg = _group()
-    cfg = demo_config(inputs, tmp_path, "current", ONE_RANK)
-
-    @ray.remote(num_cpus=0)
-    def trial(cfg) -> tuple[bool, list, str]:
-        handle = run_grpo_two_worker(cfg, placement_group="current")
-        report = handle.result(timeout=TIMEOUT)
-        return report.passed, report.errors, handle.placement_group.id.hex()
-
-    try:
-        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
-        passed, errors, used = ray.get(
-            trial.options(scheduling_strategy=strategy).remote(cfg), timeout=TIMEOUT
-        )
-        assert passed, errors
-        assert used == pg.id.hex()
-        assert placement_group_table(pg)["state"] == "CREATED"
     finally:
         wait_removed(pg)
     with pytest.raises(TwoWorkerError, match="does not run in a placement group"):
