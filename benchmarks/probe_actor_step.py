@@ -48,6 +48,32 @@ def _table(prof, key: str, limit: int, gpu: bool) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms"])[:limit]
 
 
+def _without_fsdp(model, mesh, precision, activation_checkpointing, compiled, **_):
+    """What --no-fsdp builds instead of prepare_for_training: the same model, recompute and
+    compiled layers, no FSDP2 wrapper (plain tensors: no all-gather copies, no DTensor
+    dispatch in the optimiser), and precision's param_dtype by autocast around the forward
+    (autocast keeps some operators in fp32, so the numerics are not FSDP's bf16 parameters':
+    a measure of the wrapper's host cost, not a setting of the library)."""
+    from rlinf_twoworker.workers import actor as actor_module
+
+    model.train()
+    if activation_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
+    model.config.use_cache = False
+    actor_module.compile_layers(model, compiled)
+    if precision is not None:
+        dtype = actor_module._dtype(precision.param_dtype)
+        forward = model.forward
+
+        def autocast_forward(*args, **kwargs):
+            with torch.autocast("cuda", dtype=dtype):
+                return forward(*args, **kwargs)
+
+        model.forward = autocast_forward
+    return model
+
+
 def main() -> None:
     import torch.distributed as dist
     from bench_gpu import job_overrides, make_model_dir
@@ -69,6 +95,11 @@ def main() -> None:
     parser.add_argument("--root", default="/tmp/rlinf-bench")
     parser.add_argument("--model", default=None, help="a model directory (default: the 1.5B)")
     parser.add_argument("--cpu", action="store_true", help="a smoke run on CPUs (gloo)")
+    parser.add_argument(
+        "--no-fsdp",
+        action="store_true",
+        help="no FSDP2 wrapper at world size 1 (autocast instead): the wrapper's host cost",
+    )
     parser.add_argument(
         "--override",
         action="append",
@@ -102,6 +133,10 @@ def main() -> None:
         world_size=1,
     )
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if args.no_fsdp:
+        from rlinf_twoworker.workers import actor as actor_module
+
+        actor_module.prepare_for_training = _without_fsdp  # type: ignore[assignment]
     actor = ActorWorker(cfg, 0)
     actor.actor_group = dist.group.WORLD
     actor.build()
