@@ -56,11 +56,7 @@ def _without_fsdp(model, mesh, precision, activation_checkpointing, compiled, **
     a measure of the wrapper's host cost, not a setting of the library)."""
     from rlinf_twoworker.workers import actor as actor_module
 
-    model.train()
-    if activation_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        (enable or model.gradient_checkpointing_enable)()
-    model.config.use_cache = False
+    actor_module.set_training_mode(model, activation_checkpointing)
     actor_module.compile_layers(model, compiled)
     if precision is not None:
         dtype = actor_module._dtype(precision.param_dtype)

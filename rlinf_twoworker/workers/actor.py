@@ -95,6 +95,16 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: GRPOConfig) -> Any:
     )
 
 
+def set_training_mode(model: Any, activation_checkpointing: bool) -> None:
+    """What an update needs of a loaded model before any wrapping: train mode, activation
+    recompute when asked, no KV cache."""
+    model.train()  # from_pretrained returns eval mode, where transformers skips checkpointing
+    if activation_checkpointing:  # transformers >= 5.2x renamed gradient_checkpointing_*
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
+    model.config.use_cache = False
+
+
 def prepare_for_training(
     model: Any,
     mesh: Any,
@@ -118,11 +128,7 @@ def prepare_for_training(
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model.train()  # from_pretrained returns eval mode, where transformers skips checkpointing
-    if activation_checkpointing:  # transformers >= 5.2x renamed gradient_checkpointing_*
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        (enable or model.gradient_checkpointing_enable)()
-    model.config.use_cache = False
+    set_training_mode(model, activation_checkpointing)
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if precision is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
