@@ -3,7 +3,8 @@
     python -m benchmarks actor_step [--rows 16] [--group 2] [--seq 1024] [--prompt 256] [--cut 4096]
         [--override KEY=VALUE ...]
 
-The library's ActorWorker, built as a run builds it (FSDP2 over a one-rank NCCL group, compiled
+The library's ActorWorker, built as a run builds it (one rank of an NCCL group: unwrapped with
+FSDP2's mixed precision, or FSDP2 with --override actor.fsdp_at_one_rank=true; compiled
 decoder layers, fused AdamW), on the 1.5B shape with random weights (bench_gpu.make_model_dir)
 and the starting config (the tutorial's minibatches: algorithm.n_minibatches of its rows);
 runner.micro_batch_tokens is --cut (what the memory plan picks for the tutorial job). Every
@@ -48,28 +49,6 @@ def _table(prof, key: str, limit: int, gpu: bool) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms"])[:limit]
 
 
-def _without_fsdp(model, mesh, precision, activation_checkpointing, compiled, **_):
-    """What --no-fsdp builds instead of prepare_for_training: the same model, recompute and
-    compiled layers, no FSDP2 wrapper (plain tensors: no all-gather copies, no DTensor
-    dispatch in the optimiser), and precision's param_dtype by autocast around the forward
-    (autocast keeps some operators in fp32, so the numerics are not FSDP's bf16 parameters':
-    a measure of the wrapper's host cost, not a setting of the library)."""
-    from rlinf_twoworker.workers import actor as actor_module
-
-    actor_module.set_training_mode(model, activation_checkpointing)
-    actor_module.compile_layers(model, compiled)
-    if precision is not None:
-        dtype = actor_module._dtype(precision.param_dtype)
-        forward = model.forward
-
-        def autocast_forward(*args, **kwargs):
-            with torch.autocast("cuda", dtype=dtype):
-                return forward(*args, **kwargs)
-
-        model.forward = autocast_forward
-    return model
-
-
 def main() -> None:
     import torch.distributed as dist
     from bench_gpu import job_overrides, make_model_dir
@@ -92,15 +71,10 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a model directory (default: the 1.5B)")
     parser.add_argument("--cpu", action="store_true", help="a smoke run on CPUs (gloo)")
     parser.add_argument(
-        "--no-fsdp",
-        action="store_true",
-        help="no FSDP2 wrapper at world size 1 (autocast instead): the wrapper's host cost",
-    )
-    parser.add_argument(
         "--override",
         action="append",
         default=[],
-        help="a config override, e.g. actor.fsdp_config.reshard_after_forward=false (repeatable)",
+        help="a config override, e.g. actor.fsdp_at_one_rank=true (repeatable)",
     )
     args = parser.parse_args()
     root = Path(args.root)
@@ -129,10 +103,6 @@ def main() -> None:
         world_size=1,
     )
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    if args.no_fsdp:
-        from rlinf_twoworker.workers import actor as actor_module
-
-        actor_module.prepare_for_training = _without_fsdp  # type: ignore[assignment]
     actor = ActorWorker(cfg, 0)
     actor.actor_group = dist.group.WORLD
     actor.build()
@@ -166,6 +136,7 @@ def main() -> None:
     out = {
         "shape": vars(args),
         "minibatches": len(shards),
+        "fsdp_wrapped": actor.wrapped,
         "warm_up_s": warm,
         "update_s": [t for t, _ in timed],
         "profiled_update_s": wall,

@@ -23,6 +23,17 @@ NODE_CODE = Path(tempfile.mkdtemp(prefix="rlinf-node-code-"))
 then: a test writes a module there that a run's processes import by name, as on a platform
 whose nodes' environment holds the user's code (test_reward_fn)."""
 
+
+def full(tensor: Any) -> Any:
+    """The whole tensor: an FSDP2 parameter's (DTensor) gathered, a plain tensor itself (one
+    actor rank trains without the wrapper unless actor.fsdp_at_one_rank)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+WRAPPED = ["actor.fsdp_at_one_rank=true"]
+"""One actor rank in FSDP2's wrapper, for tests whose subject is the wrapper (DTensor shards,
+gathered layers)."""
+
 ONE_RANK = ["cluster.component_placement={rollout:0,reward:0,inference:1,actor:2}"]
 """The tutorial's two nodes with one actor rank (the second node's second GPU idle), for runs
 whose subject is not the actor's ranks: the ranks' sharding, collectives and checkpoint shards

@@ -196,7 +196,7 @@ def micro_batch_tokens(
 def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool) -> dict[str, int]:
     """One FSDP actor rank: its shard of the master weights, gradients and Adam's two moments,
     the layers gathered for compute (all of them with actor.fsdp_config.reshard_after_forward
-    false), one micro-batch's activations and logits. The layers are
+    false, or cast without the wrapper at one rank), one micro-batch's activations and logits. The layers are
     gathered and computed in mixed_precision.param_dtype (the master weights' dtype when null);
     the gradient shards keep the master weights' dtype (FSDP2 casts the reduced gradients back
     to it, whatever reduce_dtype); the loss scaler's state is a few scalars."""
@@ -213,13 +213,18 @@ def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool)
         activations = tokens * shape.layers * per_layer
     shard = -(-shape.params // ranks)
     # Gathered layers: the one computing and the next one prefetched, or, with
-    # reshard_after_forward=false, every layer from its forward to its backward.
+    # reshard_after_forward=false, every layer from its forward to its backward. Without the
+    # wrapper (one rank): every layer's cast from its forward to its backward, none when the
+    # master weights compute themselves.
     kept_layers = 2 if cfg.actor.fsdp_config.reshard_after_forward else shape.layers
+    gathered = (shape.embedding_params + kept_layers * shape.layer_params) * compute
+    if not cfg.actor.fsdp_wraps(ranks, gpu):
+        gathered = 0 if compute == master else shape.params * compute
     return {
         "weights": shard * master,
         "gradients": shard * master,
         "optimizer": shard * 2 * 4,  # Adam's moments in float32
-        "gathered": (shape.embedding_params + kept_layers * shape.layer_params) * compute,
+        "gathered": gathered,
         "activations": activations,
         "logits": tokens * shape.vocab * LOGIT_BYTES_TRAIN,
     }

@@ -1,7 +1,7 @@
 """The actor: FSDP2 training of the policy with the GRPO (PPO-clip) loss, and its checkpoints.
 
 Each rank gets its share of every minibatch; gradients are reduced by FSDP2 over the actor
-group. Loss scaling makes the update equal to the configured aggregation over the whole
+group (one rank trains without the wrapper, with the same numerics: ActorConfig.fsdp_wraps). Loss scaling makes the update equal to the configured aggregation over the whole
 minibatch, independent of how rows are split across ranks and micro-batches.
 """
 
@@ -143,6 +143,48 @@ def prepare_for_training(
     return model
 
 
+def prepare_unwrapped(
+    model: Any, *, precision: MixedPrecision | None, activation_checkpointing: bool, compiled: bool
+) -> Any:
+    """`model` for one actor rank without FSDP2's wrapper (ActorConfig.fsdp_wraps): the same
+    training mode, buffers and compiled layers as `prepare_for_training`; the forward and
+    backward then run under `computing_in(model, param_dtype)`, which gives them FSDP2's
+    mixed precision at one rank."""
+    set_training_mode(model, activation_checkpointing)
+    if precision is not None:
+        _cast_buffers(model, _dtype(precision.buffer_dtype))
+    compile_layers(model, compiled)
+    return model
+
+
+@contextlib.contextmanager
+def computing_in(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """While open, each parameter of `model` is its cast to `dtype` (one cast for parameters
+    that are tied), a tensor autograd leads back to the master parameter: the forward and
+    backward compute in `dtype` and each gradient reaches the master weight's .grad cast back
+    to its dtype. That is what FSDP2's mixed precision computes at one rank (its all-gather
+    is the cast, its reduce-scatter the cast back). Keep it open across the backward pass:
+    a layer recomputed there (activation checkpointing) reads the same casts. dtype None, or
+    the parameters' own: nothing changes. torch.func.functional_call swaps parameters the
+    same way but only around the forward call."""
+    slots = [
+        (module, name, param)
+        for module in model.modules()
+        for name, param in module._parameters.items()
+        if param is not None and dtype is not None and param.dtype != dtype
+    ]
+    casts: dict[int, torch.Tensor] = {}
+    for module, name, param in slots:
+        if id(param) not in casts:
+            casts[id(param)] = param.to(dtype)
+        module._parameters[name] = casts[id(param)]  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for module, name, param in slots:
+            module._parameters[name] = param
+
+
 def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else DTYPES[name]
 
@@ -170,6 +212,8 @@ class ActorWorker(Worker):
         self.lr_used = 0.0  # the lr of the latest optimiser step
         self.compiled = False  # compiled decoder layers and log-softmax (set by `build`)
         self.staging: staging.StagingBuffers | None = None  # runner.checkpoint_staging (by `build`)
+        self.wrapped = True  # FSDP2 wraps the model (ActorConfig.fsdp_wraps; set by `build`)
+        self.compute_dtype: torch.dtype | None = None  # unwrapped: param_dtype (`computing_in`)
         # Loaded now, while the other components load theirs; sharded by `build`, which needs
         # the actor group.
         self.dtype = dtype_for(cfg.actor.model.precision, self.device)
@@ -183,15 +227,27 @@ class ActorWorker(Worker):
         model, self._unsharded = self._unsharded, None
         if model is None:  # built once already
             model = self.load_model(cfg.actor.model.model_path, self.dtype)
-        self.compiled = self.device.type == "cuda" and cfg.actor.compile
-        model = prepare_for_training(
-            model,
-            DeviceMesh.from_group(self.actor_group, self.device.type),
-            precision=cfg.actor.fsdp_config.mixed_precision if self.device.type == "cuda" else None,
-            activation_checkpointing=cfg.actor.recompute,
-            compiled=self.compiled,
-            reshard_after_forward=cfg.actor.fsdp_config.reshard_after_forward,
-        )
+        gpu = self.device.type == "cuda"
+        self.compiled = gpu and cfg.actor.compile
+        precision = cfg.actor.fsdp_config.mixed_precision if gpu else None
+        self.wrapped = cfg.actor.fsdp_wraps(dist.get_world_size(self.actor_group), gpu)
+        if self.wrapped:
+            model = prepare_for_training(
+                model,
+                DeviceMesh.from_group(self.actor_group, self.device.type),
+                precision=precision,
+                activation_checkpointing=cfg.actor.recompute,
+                compiled=self.compiled,
+                reshard_after_forward=cfg.actor.fsdp_config.reshard_after_forward,
+            )
+        else:
+            model = prepare_unwrapped(
+                model,
+                precision=precision,
+                activation_checkpointing=cfg.actor.recompute,
+                compiled=self.compiled,
+            )
+            self.compute_dtype = _dtype(precision.param_dtype) if precision else None
         self.model = model
         self.optimizer = adamw(model.parameters(), cfg.actor.optim, self.device.type == "cuda")
         self.scheduler = lr_scheduler(self.optimizer, cfg)
@@ -262,20 +318,23 @@ class ActorWorker(Worker):
         maxes = torch.zeros(2, device=self.device)
         for rows in micro_batches(self.cfg, len(shard), shard.batch.input_ids.shape[1]):
             part = shard.batch.rows(rows).to(self.device)
-            logprobs, entropy = self._logprobs(part)
-            old = shard.old_logprobs[rows].to(self.device)
-            loss, metrics = ppo_loss(
-                logprobs,
-                old,
-                shard.advantages[rows].to(self.device),
-                shard.weights[rows].to(self.device),
-                shard.metric_weights[rows].to(self.device),
-                settings,
-                entropy,
-                None if shard.ref_logprobs is None else shard.ref_logprobs[rows].to(self.device),
-            )
-            # FSDP averages gradients over the ranks; the scaler multiplies by its scale.
-            self.scaler.scale(loss * world).backward()
+            with computing_in(self.model, self.compute_dtype):
+                logprobs, entropy = self._logprobs(part)
+                old = shard.old_logprobs[rows].to(self.device)
+                loss, metrics = ppo_loss(
+                    logprobs,
+                    old,
+                    shard.advantages[rows].to(self.device),
+                    shard.weights[rows].to(self.device),
+                    shard.metric_weights[rows].to(self.device),
+                    settings,
+                    entropy,
+                    None
+                    if shard.ref_logprobs is None
+                    else shard.ref_logprobs[rows].to(self.device),
+                )
+                # FSDP averages gradients over the ranks; the scaler multiplies by its scale.
+                self.scaler.scale(loss * world).backward()
             metrics["final_loss"] = loss.detach()
             metrics["tokens"] = part.response_mask.sum().float()
             maxes[0] = torch.maximum(maxes[0], metrics.pop("ratio_max"))

@@ -10,20 +10,23 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from support import WRAPPED, full
 from torch.distributed.device_mesh import DeviceMesh
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from rlinf_twoworker.api.demo import demo_config, make_inputs
-from rlinf_twoworker.config import to_typed
+from rlinf_twoworker.config import MixedPrecision, to_typed
 from rlinf_twoworker.engines.models import SequenceBatch, load_causal_lm, response_logprobs
 from rlinf_twoworker.messages import ActorShard
 from rlinf_twoworker.run.step import split_for_actors
 from rlinf_twoworker.run.warmup import warm_up_inputs
 from rlinf_twoworker.workers.actor import (
     ActorWorker,
+    computing_in,
     lr_scheduler,
     micro_batches,
     prepare_for_training,
+    prepare_unwrapped,
 )
 
 
@@ -57,7 +60,7 @@ def _grads(model, batches: list[SequenceBatch]) -> tuple[list[float], dict[str, 
         logprobs = response_logprobs(model, batch)
         (logprobs * batch.response_mask).sum().backward()
         sums.append(float(logprobs.detach().sum()))
-    return sums, {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    return sums, {n: full(p.grad).clone() for n, p in model.named_parameters()}
 
 
 def test_compiled_layers_give_the_eager_logprobs_and_gradients(world):
@@ -127,7 +130,7 @@ def _trained_actor(world, break_compiler: bool) -> tuple[dict, dict[str, torch.T
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         metrics = actor.train_step([shard]).metrics
-    params = {n: p.detach().full_tensor().clone() for n, p in actor.model.named_parameters()}
+    params = {n: full(p.detach()).clone() for n, p in actor.model.named_parameters()}
     return metrics, params, [str(w.message) for w in caught]
 
 
@@ -146,7 +149,7 @@ def _gradients(world, overrides: list[str], shard: ActorShard | None = None):
     shard = shard or _shard(actor.cfg)
     actor.optimizer.zero_grad(set_to_none=True)
     sums, _ = actor.accumulate(shard)
-    grads = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
+    grads = {n: full(p.grad).clone() for n, p in actor.model.named_parameters()}
     return grads, {k: float(v) for k, v in sums.items()}, shard
 
 
@@ -177,8 +180,8 @@ def test_layers_kept_gathered_after_the_forward_give_the_same_gradient(world):
     shards) until its backward, and the gradient is the default's."""
     from torch.distributed.tensor import DTensor
 
-    resharded, resharded_sums, shard = _gradients(world, [])
-    actor = _built_actor(world, "kept", ["actor.fsdp_config.reshard_after_forward=false"])
+    resharded, resharded_sums, shard = _gradients(world, WRAPPED)
+    actor = _built_actor(world, "kept", [*WRAPPED, "actor.fsdp_config.reshard_after_forward=false"])
     weight = lambda: actor.model.model.layers[0].mlp.down_proj.weight  # noqa: E731
     assert isinstance(weight(), DTensor)
     part = shard.batch.rows(list(range(len(shard.batch.input_ids))))
@@ -188,7 +191,7 @@ def test_layers_kept_gathered_after_the_forward_give_the_same_gradient(world):
     assert isinstance(weight(), DTensor)  # resharded after its backward
     actor.optimizer.zero_grad(set_to_none=True)
     kept_sums, _ = actor.accumulate(shard)
-    kept = {n: p.grad.full_tensor() for n, p in actor.model.named_parameters()}
+    kept = {n: full(p.grad) for n, p in actor.model.named_parameters()}
     assert float(kept_sums["final_loss"]) == pytest.approx(resharded_sums["final_loss"], rel=1e-6)
     for name, grad in resharded.items():
         assert torch.allclose(kept[name], grad, atol=1e-7, rtol=1e-6), name
@@ -209,9 +212,7 @@ def test_the_compile_warm_up_leaves_the_training_untouched(world):
     plain = _dropout_actor(world, "plain")
     torch.manual_seed(7)
     expected = plain.train_step([_shard(plain.cfg)]).metrics
-    expected_params = {
-        n: p.detach().full_tensor().clone() for n, p in plain.model.named_parameters()
-    }
+    expected_params = {n: full(p.detach()).clone() for n, p in plain.model.named_parameters()}
 
     actor = _dropout_actor(world, "warmed")
     batch, [shard] = warm_up_inputs(actor.cfg, ranks=1)
@@ -219,7 +220,7 @@ def test_the_compile_warm_up_leaves_the_training_untouched(world):
     assert tuple(batch.input_ids.shape) == (rows, actor.cfg.runner.seq_length)
     assert bool(batch.response_mask[0].all()) and not bool(batch.attention_mask.all())
     assert len(shard) == rows  # one minibatch, one rank
-    before = {n: p.detach().full_tensor().clone() for n, p in actor.model.named_parameters()}
+    before = {n: full(p.detach()).clone() for n, p in actor.model.named_parameters()}
     torch.manual_seed(7)
     rng = torch.get_rng_state()
     answer = actor.warm_up(shard)
@@ -228,14 +229,14 @@ def test_the_compile_warm_up_leaves_the_training_untouched(world):
     assert all(p.grad is None for p in actor.model.parameters())
     assert not actor.optimizer.state  # no optimiser step: AdamW made no moments
     for name, value in actor.model.named_parameters():
-        assert torch.equal(value.detach().full_tensor(), before[name]), name
+        assert torch.equal(full(value.detach()), before[name]), name
     metrics = actor.train_step([_shard(actor.cfg)]).metrics
     timings = {"offload_seconds"}
     assert {k: v for k, v in metrics.items() if k not in timings} == {
         k: v for k, v in expected.items() if k not in timings
     }
     for name, value in actor.model.named_parameters():
-        assert torch.equal(value.detach().full_tensor(), expected_params[name]), name
+        assert torch.equal(full(value.detach()), expected_params[name]), name
 
 
 def test_lr_schedules_follow_rlinfs_fsdp_keys(world):
@@ -271,18 +272,27 @@ def test_lr_schedules_follow_rlinfs_fsdp_keys(world):
     assert lrs(["actor.optim.lr_scheduler=cosine"], 4) == pytest.approx(expected)
 
 
-def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(world, tmp_path, caplog):
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["unwrapped", "fsdp2"])
+def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(
+    world, tmp_path, caplog, wrapped
+):
     """runner.checkpoint_staging's path, on the CPU: the state copied into the run's buffers
-    (FSDP2 DTensor shards rebuilt over them) and written by DCP from there restores the same
-    weights and AdamW moments; a second checkpoint reuses the same buffers."""
+    (FSDP2 DTensor shards rebuilt over them, or the one-rank model's plain tensors) and written
+    by DCP from there restores the same weights and AdamW moments; a second checkpoint reuses
+    the same buffers."""
     from rlinf_twoworker.engines import staging
 
-    actor = _built_actor(world, "staging-test")
+    actor = _built_actor(world, "staging-test", WRAPPED if wrapped else [])
+    assert actor.wrapped == wrapped
     assert actor.staging is None  # on GPUs only, where the copy sets the checkpoint's pace
     actor.train_step([_shard(actor.cfg)])
     actor.staging = buffers = staging.for_model(actor.model, copies=3)
     # What the host-memory guard weighs: three fp32 copies of this rank's parameter shards.
-    local = sum(p.to_local().numel() * p.element_size() for p in actor.model.parameters())
+    local = sum(_local(p).numel() * p.element_size() for p in actor.model.parameters())
     assert buffers.bytes == 3 * local
     with caplog.at_level(logging.WARNING, logger="rlinf_twoworker"):  # the host-memory guard
         assert staging.started_if_room(buffers, 2 * buffers.bytes - 1, "actor rank 0") is None
@@ -292,10 +302,10 @@ def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(world, t
     assert buffers.wait(timeout=60) and buffers.error is None
 
     def snapshot() -> dict[str, torch.Tensor]:
-        out = {n: p.detach().full_tensor().clone() for n, p in actor.model.named_parameters()}
+        out = {n: full(p.detach()).clone() for n, p in actor.model.named_parameters()}
         for p, state in actor.optimizer.state.items():
             for key in ("exp_avg", "exp_avg_sq"):
-                out[f"{id(p)}.{key}"] = state[key].full_tensor().clone()
+                out[f"{id(p)}.{key}"] = full(state[key]).clone()
         return out
 
     trained = snapshot()
@@ -322,3 +332,127 @@ def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(world, t
     for name, tensor in trained.items():
         assert torch.equal(restored[name], tensor), name
     assert any(t.abs().sum() > 0 for t in trained.values())  # a real state, not zeros
+
+
+def _mixed_precision_grads(world, wrapped: bool, dtype: str, recompute: bool):
+    """One micro-batch's log-probs and gradients of the test model computing in `dtype`, in
+    FSDP2's wrapper (its MixedPrecisionPolicy) or unwrapped under `computing_in`."""
+    inputs, _ = world
+    model = load_causal_lm(inputs.model_path, torch.float32, torch.device("cpu"))
+    precision = MixedPrecision(param_dtype=dtype, reduce_dtype="fp32")
+    if wrapped:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        model = prepare_for_training(
+            model, mesh, precision=precision, activation_checkpointing=recompute, compiled=False
+        )
+        cast = None
+    else:
+        model = prepare_unwrapped(
+            model, precision=precision, activation_checkpointing=recompute, compiled=False
+        )
+        cast = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    seen: list[torch.dtype] = []
+    model.model.layers[0].mlp.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    batch = _batch(3, 20, 8)
+    with computing_in(model, cast):
+        logprobs = response_logprobs(model, batch)
+        (logprobs * batch.response_mask).sum().backward()
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters, back
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    assert set(seen) == {cast or getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype])}
+    return logprobs.detach(), {n: full(p.grad).clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_one_rank_without_the_wrapper_computes_fsdp2s_mixed_precision_gradient(
+    world, dtype, recompute
+):
+    """At one actor rank the model trains unwrapped (actor.fsdp_at_one_rank=false): its
+    parameters cast to param_dtype for the forward and the backward (a recomputed layer reads
+    the same casts), each gradient cast back to the fp32 master. The log-probs and every
+    gradient equal FSDP2's at one rank, bit for bit (the same kernels on the same values)."""
+    fsdp_logprobs, fsdp = _mixed_precision_grads(world, True, dtype, recompute)
+    logprobs, grads = _mixed_precision_grads(world, False, dtype, recompute)
+    assert torch.equal(logprobs, fsdp_logprobs)
+    assert grads.keys() == fsdp.keys()
+    for name, grad in fsdp.items():
+        assert torch.equal(grads[name], grad), name
+    assert any(g.abs().sum() > 0 for g in grads.values())
+
+
+def test_the_wrapper_at_one_rank_is_the_users_choice_or_a_lossy_reduce_dtype(world):
+    """ActorConfig.fsdp_wraps: two ranks always wrap; one rank wraps with
+    actor.fsdp_at_one_rank=true or where reduce_dtype would round the gradient once more (a
+    cast the unwrapped path does not make), and the memory plan counts what each holds."""
+    from rlinf_twoworker.cluster.memory_parts import ModelShape, actor_parts
+
+    inputs, root = world
+
+    def cfg(overrides: list[str]):
+        return to_typed(demo_config(inputs, str(root / "runs"), "wraps", overrides)).actor
+
+    mp = "actor.fsdp_config.mixed_precision"
+    assert cfg([]).fsdp_wraps(2, gpu=True) and not cfg([]).fsdp_wraps(1, gpu=True)
+    assert cfg(WRAPPED).fsdp_wraps(1, gpu=True) and not cfg([]).fsdp_wraps(1, gpu=False)
+    lossy = [f"{mp}.param_dtype=bf16", f"{mp}.reduce_dtype=fp16"]
+    assert cfg(lossy).fsdp_wraps(1, gpu=True)
+    assert not cfg([f"{mp}.param_dtype=fp16", f"{mp}.reduce_dtype=fp16"]).fsdp_wraps(1, True)
+
+    shape = ModelShape(
+        params=1000,
+        embedding_params=100,
+        layer_params=300,
+        layers=3,
+        hidden=8,
+        intermediate=16,
+        kv_heads=1,
+        head_dim=4,
+        vocab=50,
+    )
+    gpu = ["cluster.accelerator=cuda"]
+
+    def gathered(overrides: list[str], ranks: int) -> int:
+        full_cfg = to_typed(demo_config(inputs, str(root / "runs"), "plan", gpu + overrides))
+        return actor_parts(full_cfg, shape, ranks, recompute=False)["gathered"]
+
+    assert gathered([], 2) == (100 + 2 * 300) * 2  # two bf16 layers and the embedding
+    assert gathered(WRAPPED, 1) == (100 + 2 * 300) * 2
+    assert gathered([], 1) == 1000 * 2  # every parameter's bf16 cast
+    assert gathered([f"{mp}.param_dtype=null"], 1) == 0  # the fp32 masters compute themselves
+
+
+def test_checkpoints_of_the_wrapped_and_the_unwrapped_rank_load_into_each_other(world, tmp_path):
+    """A one-rank checkpoint is the same DCP layout with or without the wrapper (the same
+    names; plain tensors or DTensor shards of the whole shape), so a run resumes from either
+    (and from a two-rank one: DCP reshards on load): the weights and AdamW's moments come back
+    equal, and the next update from them is the same."""
+    trained = {}
+    for wrapped in (True, False):
+        actor = _built_actor(world, f"cross-{wrapped}", WRAPPED if wrapped else [])
+        actor.train_step([_shard(actor.cfg)])
+        actor.save_checkpoint(str(tmp_path / str(wrapped)))
+        trained[wrapped] = actor
+
+    def state(actor) -> dict[str, torch.Tensor]:
+        out = {n: full(p.detach()).clone() for n, p in actor.model.named_parameters()}
+        names = {id(p): n for n, p in actor.model.named_parameters()}
+        for p, moments in actor.optimizer.state.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{names[id(p)]}.{key}"] = full(moments[key]).clone()
+        return out
+
+    for wrapped in (True, False):
+        source = trained[wrapped]
+        target = _built_actor(world, f"cross-load-{wrapped}", [] if wrapped else WRAPPED)
+        assert target.wrapped != wrapped
+        target.train_step([_shard(target.cfg)])  # AdamW's state exists: the load overwrites it
+        target.load_checkpoint(str(tmp_path / str(wrapped)))
+        expected, loaded = state(source), state(target)
+        assert loaded.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(loaded[name], tensor), name
+        after = [a.train_step([_shard(a.cfg)]).metrics for a in (source, target)]
+        assert after[1]["grad_norm"] == pytest.approx(after[0]["grad_norm"], rel=1e-5)
+        for name, tensor in state(source).items():
+            assert torch.allclose(state(target)[name], tensor, atol=1e-6), name

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from support import RLINF_REF
+from support import RLINF_REF, full
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlinf_twoworker.api.demo import demo_config, make_inputs
@@ -186,7 +186,7 @@ def _checkpoint_keys(path: Path) -> set[str]:
 
 
 def _params(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    return {n: full(p.detach()).clone() for n, p in model.named_parameters()}
 
 
 def test_fp16_fsdp2_computes_in_fp16_and_an_overflow_skips_the_step(world):
