@@ -314,9 +314,9 @@ class FsdpConfig:
     reshard_after_forward: bool = True
     """As FSDP2's fully_shard takes it (RLinf passes it there): true frees each decoder layer's
     gathered parameters after its forward and gathers them again for its backward; false keeps
-    them from the forward to the backward, which saves a gather (a copy of every parameter
-    when the actor has one rank) and holds the whole model gathered, in
-    mixed_precision.param_dtype, which the memory plan counts. The update is the same."""
+    them from the forward to the backward, which saves a gather and holds the whole model
+    gathered, in mixed_precision.param_dtype, which the memory plan counts. The update is the
+    same. It acts where FSDP2 wraps the actor (two ranks, or actor.fsdp_at_one_rank=true)."""
     enable_gradient_accumulation: bool = True
     forward_prefetch: bool = False
     limit_all_gathers: bool = False
