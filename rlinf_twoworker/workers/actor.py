@@ -105,6 +105,21 @@ def set_training_mode(model: Any, activation_checkpointing: bool) -> None:
     model.config.use_cache = False
 
 
+def prepare_unwrapped(
+    model: Any, *, precision: MixedPrecision | None, activation_checkpointing: bool, compiled: bool
+) -> Any:
+    """`model` ready to train, before any wrapping: train mode, activation recompute, the
+    buffers in buffer_dtype and the compiled layers. `prepare_for_training` wraps it in FSDP2
+    after this; one actor rank trains it as it is (ActorConfig.fsdp_wraps), its forward and
+    backward under `computing_in(model, param_dtype)`, which gives them FSDP2's mixed
+    precision at one rank."""
+    set_training_mode(model, activation_checkpointing)
+    if precision is not None:
+        _cast_buffers(model, _dtype(precision.buffer_dtype))
+    compile_layers(model, compiled)
+    return model
+
+
 def prepare_for_training(
     model: Any,
     mesh: Any,
@@ -128,32 +143,21 @@ def prepare_for_training(
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    set_training_mode(model, activation_checkpointing)
+    prepare_unwrapped(
+        model,
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        compiled=compiled,
+    )
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if precision is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=_dtype(precision.param_dtype),
             reduce_dtype=_dtype(precision.reduce_dtype),
         )
-        _cast_buffers(model, _dtype(precision.buffer_dtype))
-    compile_layers(model, compiled)
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
-    return model
-
-
-def prepare_unwrapped(
-    model: Any, *, precision: MixedPrecision | None, activation_checkpointing: bool, compiled: bool
-) -> Any:
-    """`model` for one actor rank without FSDP2's wrapper (ActorConfig.fsdp_wraps): the same
-    training mode, buffers and compiled layers as `prepare_for_training`; the forward and
-    backward then run under `computing_in(model, param_dtype)`, which gives them FSDP2's
-    mixed precision at one rank."""
-    set_training_mode(model, activation_checkpointing)
-    if precision is not None:
-        _cast_buffers(model, _dtype(precision.buffer_dtype))
-    compile_layers(model, compiled)
     return model
 
 
