@@ -422,6 +422,8 @@ def _updates(results: Sequence[Any]) -> dict[str, Any]:
     later = list(results[1:]) or list(results)
     keys = ("rollout/advantages_min", "rollout/advantages_max", "rollout/reward_scores")
     keys += ("rollout/correct_fraction", "actor/training/actor/grad_norm")
+    # How far the actor's log-probs were from inference's before the step's first update.
+    keys += ("actor/training/actor/logprob_diff_max",)
     # With loss scaling (fp16): the minibatches whose step an overflow skipped, and the scale.
     keys += ("actor/training/actor/skipped_steps", "actor/training/actor/loss_scale")
     per = [{k.rsplit("/", 1)[1]: r.metrics.get(k) for k in keys} for r in results]
