@@ -33,7 +33,12 @@ from rlinf_twoworker.errors import ConfigError
 from rlinf_twoworker.messages import ActorShard, mean_grad_norm
 from rlinf_twoworker.run.step import split_for_actors
 from rlinf_twoworker.storage.safe_dcp import unpickle_metadata
-from rlinf_twoworker.workers.actor import ActorWorker, prepare_for_training
+from rlinf_twoworker.workers.actor import (
+    ActorWorker,
+    computing_in,
+    prepare_for_training,
+    prepare_unwrapped,
+)
 
 RLINF_YAML = RLINF_REF
 RLINF_YAML /= "qwen2.5-1.5b-grpo-pipeline-fsdp-sgl.yaml"
@@ -172,9 +177,15 @@ def _batch(rows: int, width: int, prompt: int) -> SequenceBatch:
     return SequenceBatch(ids, torch.ones_like(ids), response, prompt)
 
 
-def _fp16_model(world, precision: MixedPrecision):
+def _fp16_model(world, precision: MixedPrecision, wrapped: bool = True):
+    """The test model in FSDP2's wrapper with `precision`, or unwrapped as one actor rank
+    trains it (its forward and backward then under `computing_in`)."""
     inputs, _ = world
     model = load_causal_lm(inputs.model_path, torch.float32, torch.device("cpu"))
+    if not wrapped:
+        return prepare_unwrapped(
+            model, precision=precision, activation_checkpointing=False, compiled=False
+        )
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     return prepare_for_training(
         model, mesh, precision=precision, activation_checkpointing=False, compiled=False
@@ -189,11 +200,15 @@ def _params(model) -> dict[str, torch.Tensor]:
     return {n: full(p.detach()).clone() for n, p in model.named_parameters()}
 
 
-def test_fp16_fsdp2_computes_in_fp16_and_an_overflow_skips_the_step(world):
-    """RLinf's starting precision on the CPU: layers compute in fp16, the master weights and
-    their gradients stay fp32; a loss large enough to overflow fp16 gradients under the scale
-    skips the step and halves the scale; a normal loss then updates the weights."""
-    model = _fp16_model(world, MixedPrecision(param_dtype="fp16", reduce_dtype="fp16"))
+@pytest.mark.parametrize("wrapped", [True, False], ids=["fsdp2", "unwrapped"])
+def test_fp16_computes_in_fp16_and_an_overflow_skips_the_step(world, wrapped):
+    """RLinf's starting precision on the CPU, in FSDP2's wrapper and as one unwrapped actor
+    rank: layers compute in fp16, the master weights and their gradients stay fp32; a loss
+    large enough to overflow fp16 gradients under the scale skips the step and halves the
+    scale; a normal loss then updates the weights."""
+    precision = MixedPrecision(param_dtype="fp16", reduce_dtype="fp16")
+    model = _fp16_model(world, precision, wrapped)
+    cast = None if wrapped else torch.float16
     seen: list[torch.dtype] = []
     model.model.layers[0].mlp.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -202,8 +217,9 @@ def test_fp16_fsdp2_computes_in_fp16_and_an_overflow_skips_the_step(world):
 
     def update(factor: float) -> tuple[float, bool]:
         optimizer.zero_grad(set_to_none=True)
-        loss = (response_logprobs(model, batch) * batch.response_mask).mean() * factor
-        scaler.scale(loss).backward()
+        with computing_in(model, cast):
+            loss = (response_logprobs(model, batch) * batch.response_mask).mean() * factor
+            scaler.scale(loss).backward()
         return clip_and_step(model, optimizer, scaler, clip=1.0)
 
     before = _params(model)
