@@ -197,8 +197,11 @@ def _train_step(
 
 
 def fsdp_model(model_dir: Path, activation_checkpointing: bool, compiled: bool) -> torch.nn.Module:
-    """The actor's setup on one GPU through the library's own `prepare_for_training`: fp32
-    master weights, FSDP2 with bf16 params and fp32 gradient reduction (a one-rank group)."""
+    """The actor's FSDP2 setup on one GPU through the library's own `prepare_for_training`:
+    fp32 master weights, FSDP2 with bf16 params and fp32 gradient reduction (a one-rank
+    group). This is each rank's setup with two ranks, or one rank's with
+    actor.fsdp_at_one_rank=true; a one-rank run trains unwrapped by default (the actor_step
+    section measures both)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
