@@ -196,7 +196,8 @@ def micro_batch_tokens(
 def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool) -> dict[str, int]:
     """One FSDP actor rank: its shard of the master weights, gradients and Adam's two moments,
     the layers gathered for compute (all of them with actor.fsdp_config.reshard_after_forward
-    false, or cast without the wrapper at one rank), one micro-batch's activations and logits. The layers are
+    false, or cast without the wrapper at one rank), one micro-batch's activations and
+    logits. The layers are
     gathered and computed in mixed_precision.param_dtype (the master weights' dtype when null);
     the gradient shards keep the master weights' dtype (FSDP2 casts the reduced gradients back
     to it, whatever reduce_dtype); the loss scaler's state is a few scalars."""

@@ -1,8 +1,9 @@
 """The actor: FSDP2 training of the policy with the GRPO (PPO-clip) loss, and its checkpoints.
 
 Each rank gets its share of every minibatch; gradients are reduced by FSDP2 over the actor
-group (one rank trains without the wrapper, with the same numerics: ActorConfig.fsdp_wraps). Loss scaling makes the update equal to the configured aggregation over the whole
-minibatch, independent of how rows are split across ranks and micro-batches.
+group (one rank trains without the wrapper, with the same numerics: ActorConfig.fsdp_wraps).
+Loss scaling makes the update equal to the configured aggregation over the whole minibatch,
+independent of how rows are split across ranks and micro-batches.
 """
 
 from __future__ import annotations
