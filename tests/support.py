@@ -24,12 +24,6 @@ then: a test writes a module there that a run's processes import by name, as on 
 whose nodes' environment holds the user's code (test_reward_fn)."""
 
 
-def full(tensor: Any) -> Any:
-    """The whole tensor: an FSDP2 parameter's (DTensor) gathered, a plain tensor itself (one
-    actor rank trains without the wrapper unless actor.fsdp_at_one_rank)."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
 WRAPPED = ["actor.fsdp_at_one_rank=true"]
 """One actor rank in FSDP2's wrapper, for tests whose subject is the wrapper (DTensor shards,
 gathered layers)."""

@@ -217,9 +217,10 @@ def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool)
     # reshard_after_forward=false, every layer from its forward to its backward. Without the
     # wrapper (one rank): every layer's cast from its forward to its backward, none when the
     # master weights compute themselves.
-    kept_layers = 2 if cfg.actor.fsdp_config.reshard_after_forward else shape.layers
-    gathered = (shape.embedding_params + kept_layers * shape.layer_params) * compute
-    if not cfg.actor.fsdp_wraps(ranks, gpu):
+    if cfg.actor.fsdp_wraps(ranks, gpu):
+        kept_layers = 2 if cfg.actor.fsdp_config.reshard_after_forward else shape.layers
+        gathered = (shape.embedding_params + kept_layers * shape.layer_params) * compute
+    else:
         gathered = 0 if compute == master else shape.params * compute
     return {
         "weights": shard * master,

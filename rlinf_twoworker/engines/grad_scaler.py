@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from rlinf_twoworker.config import GradScalerConfig, OptimConfig
+from rlinf_twoworker.engines import tensors
 
 
 def build_grad_scaler(cfg: GradScalerConfig, device: torch.device, group: Any) -> Any:
@@ -57,7 +58,7 @@ def clip_and_step(
         warnings.filterwarnings("ignore", "Found a non-scalar tensor with numel=1")
         scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    grad_norm = float(tensors.full(norm))
     stepped = math.isfinite(grad_norm)
     if stepped:
         # A finite global norm: no rank found an inf, so it steps. Not scaler.step: it would

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rlinf_twoworker.engines.tensors import local
 from rlinf_twoworker.errors import TwoWorkerError
 
 
@@ -69,12 +70,6 @@ def require_weights(model: torch.nn.Module, where: str) -> None:
         )
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
 class StorageSwap:
     """Storages moved to host memory and back in place: every tensor that views them (FSDP2's
     sharded parameters, the optimiser's moments, DTensors or not) stays the same object, so
@@ -91,7 +86,7 @@ class StorageSwap:
             return 0
         unique: dict[int, torch.UntypedStorage] = {}
         for t in tensors:
-            storage = _local(t).untyped_storage()
+            storage = local(t).untyped_storage()
             if storage.nbytes():
                 unique.setdefault(storage.data_ptr(), storage)
         storages = list(unique.values())

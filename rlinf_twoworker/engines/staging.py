@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from rlinf_twoworker.engines import tensors
+
 Key = tuple[tuple[int, ...], torch.dtype]
 ALLOCATION_THREADS = 4
 """Threads that fault the buffers' pages in: the 1.5B actor's 21.3 GB took 10-13 s in one."""
@@ -122,12 +124,7 @@ class StagingBuffers:
 def for_model(model: torch.nn.Module, copies: int) -> StagingBuffers:
     """Buffers for `copies` tensors shaped like each parameter's local shard (an FSDP2
     DTensor's, or the parameter's own), e.g. 3 for the weights and AdamW's two moments."""
-    from torch.distributed.tensor import DTensor
-
-    shapes = [
-        (tuple((p._local_tensor if isinstance(p, DTensor) else p).shape), p.dtype)
-        for p in model.parameters()
-    ]
+    shapes = [(tuple(tensors.local(p).shape), p.dtype) for p in model.parameters()]
     return StagingBuffers(shapes, copies)
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlinf_twoworker.engines import tensors
+
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 
 
@@ -83,10 +85,6 @@ def _model_buckets(
     return params, bucket_plan([p.shape for p in params], itemsize, bucket_bytes)
 
 
-def _full(param: torch.Tensor) -> torch.Tensor:
-    return param.full_tensor() if hasattr(param, "full_tensor") else param
-
-
 def _source_buckets(
     model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int, is_source: bool
 ) -> Iterator[torch.Tensor]:
@@ -94,7 +92,7 @@ def _source_buckets(
     (gathering a full tensor is a collective of the actor group)."""
     params, plan = _model_buckets(model, dtype, bucket_bytes)
     for bucket in plan:
-        fulls = [_full(params[i]) for i in bucket]
+        fulls = [tensors.full(params[i]) for i in bucket]
         if is_source:
             yield torch.cat([t.detach().to(dtype).reshape(-1) for t in fulls])
 
@@ -200,7 +198,7 @@ def weights_digest(model: torch.nn.Module, dtype: torch.dtype) -> str:
 
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
-        full = _full(param).detach().to(dtype).contiguous().cpu()
+        full = tensors.full(param).detach().to(dtype).contiguous().cpu()
         digest.update(name.encode())
         digest.update(full.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

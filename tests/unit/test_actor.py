@@ -10,13 +10,19 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from support import WRAPPED, full
+from support import WRAPPED
 from torch.distributed.device_mesh import DeviceMesh
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from rlinf_twoworker.api.demo import demo_config, make_inputs
 from rlinf_twoworker.config import MixedPrecision, to_typed
-from rlinf_twoworker.engines.models import SequenceBatch, load_causal_lm, response_logprobs
+from rlinf_twoworker.engines.models import (
+    DTYPES,
+    SequenceBatch,
+    load_causal_lm,
+    response_logprobs,
+)
+from rlinf_twoworker.engines.tensors import full, local
 from rlinf_twoworker.messages import ActorShard
 from rlinf_twoworker.run.step import split_for_actors
 from rlinf_twoworker.run.warmup import warm_up_inputs
@@ -272,10 +278,6 @@ def test_lr_schedules_follow_rlinfs_fsdp_keys(world):
     assert lrs(["actor.optim.lr_scheduler=cosine"], 4) == pytest.approx(expected)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 @pytest.mark.parametrize("wrapped", [False, True], ids=["unwrapped", "fsdp2"])
 def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(
     world, tmp_path, caplog, wrapped
@@ -292,8 +294,8 @@ def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(
     actor.train_step([_shard(actor.cfg)])
     actor.staging = buffers = staging.for_model(actor.model, copies=3)
     # What the host-memory guard weighs: three fp32 copies of this rank's parameter shards.
-    local = sum(_local(p).numel() * p.element_size() for p in actor.model.parameters())
-    assert buffers.bytes == 3 * local
+    shards = sum(local(p).numel() * p.element_size() for p in actor.model.parameters())
+    assert buffers.bytes == 3 * shards
     with caplog.at_level(logging.WARNING, logger="rlinf_twoworker"):  # the host-memory guard
         assert staging.started_if_room(buffers, 2 * buffers.bytes - 1, "actor rank 0") is None
     assert "actor rank 0: runner.checkpoint_staging skipped" in caplog.text
@@ -350,7 +352,7 @@ def _mixed_precision_grads(world, wrapped: bool, dtype: str, recompute: bool):
         model = prepare_unwrapped(
             model, precision=precision, activation_checkpointing=recompute, compiled=False
         )
-        cast = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        cast = DTYPES[dtype]
     seen: list[torch.dtype] = []
     model.model.layers[0].mlp.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
     batch = _batch(3, 20, 8)
@@ -359,7 +361,7 @@ def _mixed_precision_grads(world, wrapped: bool, dtype: str, recompute: bool):
         (logprobs * batch.response_mask).sum().backward()
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters, back
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
-    assert set(seen) == {cast or getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype])}
+    assert set(seen) == {DTYPES[dtype]}
     return logprobs.detach(), {n: full(p.grad).clone() for n, p in model.named_parameters()}
 
 

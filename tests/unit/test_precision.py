@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from support import RLINF_REF, full
+from support import RLINF_REF
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlinf_twoworker.api.demo import demo_config, make_inputs
@@ -29,6 +29,7 @@ from rlinf_twoworker.config import (
 )
 from rlinf_twoworker.engines.grad_scaler import adamw, build_grad_scaler, clip_and_step
 from rlinf_twoworker.engines.models import SequenceBatch, load_causal_lm, response_logprobs
+from rlinf_twoworker.engines.tensors import full
 from rlinf_twoworker.errors import ConfigError
 from rlinf_twoworker.messages import ActorShard, mean_grad_norm
 from rlinf_twoworker.run.step import split_for_actors
