@@ -38,6 +38,7 @@ __all__ = [
     "TwoWorkerError",
     "VerificationError",
     "load_config",
+    "release_kept",
     "run_grpo_two_worker",
 ]
 __version__ = "0.1.0"
@@ -49,4 +50,8 @@ def __getattr__(name: str):
         from rlinf_twoworker.api import handle
 
         return getattr(handle, name)
+    if name == "release_kept":  # cluster.keep_processes' idle processes, freed
+        from rlinf_twoworker.run.kept import release_kept
+
+        return release_kept
     raise AttributeError(name)

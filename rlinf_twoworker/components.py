@@ -57,6 +57,8 @@ class Component:
     """None: every run has it; else whether this config needs it."""
     default_placement: str | None = None
     """Where it goes when cluster.component_placement does not name it: that component's ranks."""
+    keep: bool = True
+    """Its process may serve the next run (cluster.keep_processes: run/kept.py)."""
 
     def in_run(self, cfg: GRPOConfig) -> bool:
         return self.needed is None or self.needed(cfg)
@@ -94,6 +96,7 @@ TABLE: tuple[Component, ...] = (
         concurrency=4,
         asynchronous=True,
         prepare="warm_up_grader",
+        keep=False,  # its grading processes are forked for the run's grader: one run each
     ),
     Component(
         "inference",

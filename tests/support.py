@@ -35,6 +35,11 @@ are the subject of test_engine's end-to-end run and its other two-rank runs, tes
 test_reliability's killed-rank, keep-last, mid-checkpoint and removed-node tests. One process
 fewer makes a run about a fifth cheaper on a CPU host (benchmarks' run_cost)."""
 
+KEPT = ["cluster.keep_processes=true"]
+"""The run's model processes serve the next run of the same placement (run/kept.py), for runs
+whose subject is not a process's start or death: a run in kept processes trains as a fresh
+run (test_kept), and starts in about a third of the time on a CPU host."""
+
 REFERENCE_SETTINGS = ["actor.optim.lr=1e-3", "rollout.validate_weight=true"]
 """The reference run's overrides of the demo: lr high enough that training moves the weights,
 the weight sync checked bit for bit after every step."""

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlinf_twoworker.cluster.connect import NAMESPACE, connect, ray_name
 from rlinf_twoworker.config import GRPOConfig, config_notes, to_typed
 from rlinf_twoworker.errors import ComponentError, TwoWorkerError
+from rlinf_twoworker.run.kept import free_claimed
 from rlinf_twoworker.run.liveness import death_cause
 from rlinf_twoworker.storage import checkpoints as ckpt
 from rlinf_twoworker.storage.lineage import write_lineage
@@ -117,6 +118,7 @@ class RunHandle:
         handle removes it, and records the failure the controller could not."""
         error = ComponentError("controller", 0, self._controller_node, death_cause(exc))
         _remove_placement_group(ray_name(self.output_dir, "pg"))
+        free_claimed(self.run_id)  # kept processes it held (cluster.keep_processes)
         failure = self.output_dir / FAILURE_JSON
         if not failure.exists():
             RunLog(self.output_dir).info(f"RUN_FAILED error=ComponentError: {error}")
@@ -385,6 +387,12 @@ def _callers_group(placement_group: Any, typed: GRPOConfig) -> Any:
     """The caller's placement group, checked against the config (None: the run makes its own)."""
     if placement_group is None:
         return None
+    if typed.cluster.keep_processes:
+        raise TwoWorkerError(
+            "cluster.keep_processes=true keeps the run's own placement group and processes for "
+            f"the next run, but placement_group={placement_group!r} gives the caller's group, "
+            "which the run never keeps: drop one of the two"
+        )
     from rlinf_twoworker.cluster.placement import callers_group_problems
 
     if isinstance(placement_group, str):

@@ -126,6 +126,13 @@ class ClusterConfig:
     labels call GB: a 40 GB A100 is 40). None: the free memory the preflight sees on each GPU.
     The memory plan (cluster/memory_plan.py) refuses a run that would not fit, before any
     model loads; on CPU runs it checks the GPU plan against this budget when it is set."""
+    keep_processes: bool = False
+    """true: when the run has trained to its end, its model components' processes (rollout,
+    inference, actor ranks, reference) and its placement group stay, idle, and the next run
+    of this Ray job with the same placement loads its models into them instead of starting
+    processes (no imports of torch and transformers: seconds a process). Any run that does
+    not take them frees them as it starts, and so do rlinf_twoworker.release_kept() and the
+    job's end; a run that fails or is cancelled keeps nothing (run/kept.py)."""
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
 
     def __post_init__(self) -> None:

@@ -45,7 +45,7 @@ from rlinf_twoworker.config import GRPOConfig, config_notes, precision_warning
 from rlinf_twoworker.config.placement import placement_record
 from rlinf_twoworker.errors import RunCancelledError, TwoWorkerError
 from rlinf_twoworker.results import CheckpointInfo, StepResult
-from rlinf_twoworker.run import lifecycle
+from rlinf_twoworker.run import kept, lifecycle
 from rlinf_twoworker.run.group import ComponentGroup
 from rlinf_twoworker.run.head_start import RunHeadStart
 from rlinf_twoworker.run.liveness import Watch, liveness_error, root_cause
@@ -173,6 +173,13 @@ class RunController:
         self.watch: Watch | None = None
         self.pg: Any = None
         self.callers_group = callers_group
+        self.keeps = typed.cluster.keep_processes and callers_group is None
+        """cluster.keep_processes: its model components' processes outlive it (run/kept.py)."""
+        self.taken: kept.KeptGroup | None = None
+        """The kept processes (and group) of an earlier run that this run took."""
+        self.released = False
+        self.kept_processes = 0
+        """How many processes this run left for the next one (0: none kept)."""
         self.task: asyncio.Task | None = None
         self.state = "pending"
         self.ray_metrics = RayMetrics(self.run_id)  # an observer from the start: states too
@@ -364,7 +371,7 @@ class RunController:
         # Imports ahead of each load, the compile cache, the grading processes (head_start.py).
         self.head_start = RunHeadStart(group)
         self.components_began = time.time()
-        group.start()
+        group.start(keep=self.keeps, taken=self.taken)
         # Then the threads: their imports (torch, transformers) hold the interpreter for seconds.
         self.imports = background(asyncio.to_thread(_import_training))  # awaited later
         shapes = background(asyncio.to_thread(model_shapes, self.cfg))  # read by the plan
@@ -412,7 +419,22 @@ class RunController:
             pg = self.callers_group
             self.log.info(f"PLACEMENT_GROUP the caller's {pg.id.hex()[:8]} (not removed)")
         else:
-            self.pg = pg = request_placement_group(cfg.cluster, name)  # release finds it
+            # Idle kept processes (an earlier run's, run/kept.py): this run takes them when
+            # it keeps its own and they match it; any others are freed for its group.
+            workers = {c.name: c.worker for c in components.in_run(cfg)} | (self.classes or {})
+            slots = cfg.placement.slots
+            sig = kept.signature(cfg, slots, workers) if self.keeps else None
+            self.taken = await asyncio.to_thread(kept.take, sig, self.run_id, slots)
+            if self.taken is not None:
+                self.pg = pg = self.taken.pg
+                self.log.info(
+                    f"PLACEMENT_GROUP {self.taken.name} with {len(self.taken.hosts)} kept "
+                    "processes (cluster.keep_processes: no process starts for them)"
+                )
+            else:
+                if sig is not None:
+                    name = kept.group_name(sig, self.run_id)
+                self.pg = pg = request_placement_group(cfg.cluster, name)  # release finds it
         try:
             await asyncio.wait_for(pg.ready(), timeout)
         except asyncio.TimeoutError:
@@ -693,7 +715,7 @@ class RunController:
         from rlinf_twoworker.storage.verify import expected_from_config, verify_run
 
         self.phase = "postflight"
-        await self._release_bounded()
+        await self._release_bounded(keep=self.keeps)  # trained to its end: kept if asked
         placement = cast(
             dict[str, Any], OmegaConf.to_container(self.raw_cfg.cluster.component_placement)
         )
@@ -736,17 +758,30 @@ class RunController:
             for future in [*futures, self.preflight_f, self.result_f, self.placement_f]:
                 future.fail(exc)
 
-    async def _release_bounded(self) -> None:
-        """Release the components and the placement group; a release that hangs (the cluster is
-        gone) is left behind with a warning instead of holding the run, or its process."""
-        if not await in_daemon_thread(self._release, "release", RELEASE_S):
+    async def _release_bounded(self, keep: bool = False) -> None:
+        """Release the components and the placement group, once (`keep`: the processes and
+        the group are kept for the next run where they all answer; run/kept.py); a release
+        that hangs (the cluster is gone) is left behind with a warning instead of holding the
+        run, or its process."""
+        if self.released:
+            return
+        self.released = True
+        if not await in_daemon_thread(lambda: self._release(keep), "release", RELEASE_S):
             self.log.info(
                 f"WARNING the release of run {self.run_id}'s components and placement group "
                 f"did not finish within {RELEASE_S:.0f} s (is the cluster or its GCS gone?); "
                 "the run goes on without waiting for it"
             )
+        elif self.kept_processes:
+            self.log.info(
+                f"KEPT_PROCESSES {self.kept_processes} processes and placement group "
+                f"{self.pg.id.hex()[:8]} stay for the next run (cluster.keep_processes)"
+            )
 
-    def _release(self) -> None:
+    def _release(self, keep: bool) -> None:
+        if self.group is not None and keep and self.group.give_back(RELEASE_S / 2):
+            self.kept_processes = sum(1 for m in self.group.all() if m.kept)
+            return
         if self.group is not None:
             self.group.kill()
         if self.pg is not None and self.pg is not self.callers_group:

@@ -15,6 +15,7 @@ answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -31,6 +32,9 @@ from rlinf_twoworker.config.placement import Placement, Slot
 from rlinf_twoworker.errors import ComponentError
 from rlinf_twoworker.results import Placed
 from rlinf_twoworker.run.head_start import HeadStart
+from rlinf_twoworker.run.kept import LOCK as KEPT_LOCK
+from rlinf_twoworker.run.kept import KeptGroup
+from rlinf_twoworker.run.kept import host_name as kept_host_name
 from rlinf_twoworker.run.liveness import short_reason
 from rlinf_twoworker.run.tasks import background, gather_fail_fast
 from rlinf_twoworker.workers.contract import Process
@@ -45,6 +49,8 @@ class Member:
     where: dict[str, Any]
     ready_at: float | None = None
     """time.time() when its model load (its class's constructor) had finished."""
+    kept: bool = False
+    """Its process outlives the run, for the next one (cluster.keep_processes)."""
 
 
 class ComponentHost:
@@ -61,11 +67,18 @@ class ComponentHost:
     """The worker: 'module:Class' (imported in this process only), or the class itself."""
     COMPONENT = ""
 
-    def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
-        self._args = (cfg, rank)
-        self._placed_at = time.time()  # the process started and imported this module
-        self._load_began: float | None = None
+    def __init__(self, cfg: GRPOConfig, rank: int = 0, kept_by: str | None = None) -> None:
         self._cls: type | None = None
+        self._claim = kept_by
+        """The run using this process, where it is kept between runs (run/kept.py)."""
+        self.rebind(cfg, rank)
+
+    def rebind(self, cfg: GRPOConfig, rank: int) -> None:
+        """Take a run's config: a new process's first call, and a kept process's first call
+        of each later run (its worker unloaded by the last run)."""
+        self._args = (cfg, rank)
+        self._placed_at = time.time()  # the process started (or was taken) for this run
+        self._load_began: float | None = None
         self._worker: Any = None
         self._section = components.model_section(cfg, self.COMPONENT)
         """The config section of the model its worker loads (None: none)."""
@@ -131,6 +144,33 @@ class ComponentHost:
 
     def ping(self) -> bool:
         return True
+
+    def unload(self) -> dict[str, Any]:
+        """Drop the worker, its process groups and its log, and give its memory back: the
+        process is kept for the next run (cluster.keep_processes, run/kept.py)."""
+        from rlinf_twoworker.workers.process import detach_log, drop_worker
+
+        worker, self._worker = self._worker, None
+        leave = getattr(worker, "leave", None)
+        if leave is not None:
+            leave()
+        del worker
+        detach_log()
+        drop_worker(self._cuda)
+        return self.where()
+
+    def claim(self, run_id: str) -> bool:
+        """Whether `run_id` now holds this kept process's group (False: another run does)."""
+        if self._claim is not None and self._claim != run_id:
+            return False
+        self._claim = run_id
+        return True
+
+    def claimed_by(self) -> str | None:
+        return self._claim
+
+    def unclaim(self) -> None:
+        self._claim = None
 
     def startup_report(self) -> dict[str, Any]:
         report = self._method("startup_report")()
@@ -222,24 +262,44 @@ class ComponentGroup:
         self.behind: list[asyncio.Future] = []
         """Calls nothing waits for yet (call_behind), awaited by `settle`."""
 
-    def start(self) -> None:
+    def start(self, keep: bool = False, taken: KeptGroup | None = None) -> None:
         """Create every actor: each process starts, and no model is loaded
-        (`ComponentHost`); `wait_placed` awaits their first answers, `load` their models."""
+        (`ComponentHost`); `wait_placed` awaits their first answers, `load` their models.
+        `keep`: the model components' processes are made to outlive the run (run/kept.py);
+        `taken`: a kept group this run claimed, whose live processes serve it instead of new
+        ones."""
         for slot in self.placement.slots:
             worker, entry = self.workers[slot.component], self.table[slot.component]
-            asynchronous = entry.asynchronous if isinstance(worker, str) else None
-            cls = host_class(worker, slot.component, asynchronous)
-            options = scheduling_options(self.pg, self.placement, slot)
-            remote: Any = ray.remote(cls).options(
-                name=ray_name(self.cfg.run_dir, slot.component, slot.rank),
-                namespace=NAMESPACE,
-                max_concurrency=self.table[slot.component].concurrency,
-                max_restarts=0,
-                **options,
-            )
-            handle = remote.remote(self.cfg, slot.rank)
+            kept = keep and entry.keep and isinstance(worker, str)
+            host = taken.hosts.get((slot.component, slot.rank)) if taken and kept else None
+            if host is not None:
+                host.rebind.remote(self.cfg, slot.rank)  # before any other call of this run
+                handle = host
+            else:
+                handle = self._new_process(slot, worker, entry, kept)
             where = dict(self.bundle_nodes[slot.bundle]) if self.bundle_nodes else {}
-            self.members.setdefault(slot.component, []).append(Member(slot, handle, where))
+            member = Member(slot, handle, where, kept=kept)
+            self.members.setdefault(slot.component, []).append(member)
+
+    def _new_process(
+        self, slot: Slot, worker: str | type, entry: components.Component, kept: bool
+    ) -> Any:
+        asynchronous = entry.asynchronous if isinstance(worker, str) else None
+        cls = host_class(worker, slot.component, asynchronous)
+        options = scheduling_options(self.pg, self.placement, slot)
+        if kept:  # detached: it outlives this run's controller (the group still bounds it)
+            name = kept_host_name(self.pg, slot.component, slot.rank)
+            options["lifetime"] = "detached"
+        else:
+            name = ray_name(self.cfg.run_dir, slot.component, slot.rank)
+        remote: Any = ray.remote(cls).options(
+            name=name,
+            namespace=NAMESPACE,
+            max_concurrency=entry.concurrency,
+            max_restarts=0,
+            **options,
+        )
+        return remote.remote(self.cfg, slot.rank, self.run_id if kept else None)
 
     def bundles_with_gpus(self) -> frozenset[int]:
         """The bundles where a member holds a GPU share (where its process sees the GPU)."""
@@ -456,6 +516,29 @@ class ComponentGroup:
                 )
             )
         return rows
+
+    def give_back(self, timeout_s: float) -> bool:
+        """The end of a run that keeps its processes: the kept ones drop their workers and
+        their group's claim, the others are killed. False when a kept one did not answer
+        (then nothing may be kept: `kill`, and remove the group)."""
+        kept = [m for m in self.all() if m.kept]
+        lock = next((m for m in kept if (m.slot.component, m.slot.rank) == KEPT_LOCK), None)
+        if lock is None:
+            return False
+        self.stopping = True
+        for member in self.all():
+            if not member.kept:
+                with contextlib.suppress(Exception):
+                    ray.kill(member.handle, no_restart=True)
+        try:
+            # Futures, not ray.get: this runs in a thread of the controller's event loop.
+            deadline = time.monotonic() + timeout_s
+            for ref in [m.handle.unload.remote() for m in kept]:
+                ref.future().result(max(0.0, deadline - time.monotonic()))
+            lock.handle.unclaim.remote().future().result(max(0.0, deadline - time.monotonic()))
+        except Exception:
+            return False
+        return True
 
     def kill(self) -> None:
         self.stopping = True  # our own kills are not deaths to report

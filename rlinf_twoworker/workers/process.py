@@ -91,10 +91,15 @@ class _Tee:
         return getattr(self.stream, name)
 
 
+_attached: list[tuple[Any, Any, Any, logging.Handler]] = []
+"""(stdout, stderr, the log file, the handler) as they were before each attach_log."""
+
+
 def attach_log(path: str, component: str, rank: int) -> None:
     """runner.per_worker_log: this process's prints, warnings and log records also go to
-    `path` (log/<component>-<rank>.log in the run directory)."""
-    log = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (lives with the process)
+    `path` (log/<component>-<rank>.log in the run directory), until `detach_log`."""
+    log = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (closed by detach_log)
+    before = (sys.stdout, sys.stderr)
     sys.stdout = _Tee(sys.stdout, log)
     sys.stderr = _Tee(sys.stderr, log)  # warnings print here too
     handler = logging.StreamHandler(sys.stderr)  # records reach Ray's worker log and the file
@@ -104,7 +109,31 @@ def attach_log(path: str, component: str, rank: int) -> None:
     library = logging.getLogger("rlinf_twoworker")
     library.addHandler(handler)
     library.setLevel(logging.INFO)
+    _attached.append((*before, log, handler))
     logging.getLogger("rlinf_twoworker").info(f"{component} rank {rank} logs to {path}")
+
+
+def detach_log() -> None:
+    """Undo every attach_log: the process logs as it did before (a kept process's next run
+    has a log of its own)."""
+    while _attached:
+        stdout, stderr, log, handler = _attached.pop()
+        logging.getLogger("rlinf_twoworker").removeHandler(handler)
+        sys.stdout, sys.stderr = stdout, stderr
+        log.close()
+
+
+def drop_worker(cuda: bool) -> None:
+    """After a kept process's worker is dropped: collect it, forget what torch.compile traced
+    of its model (a later model is traced afresh, not counted against the recompile limit),
+    and give its GPU memory back."""
+    import gc
+
+    gc.collect()
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+    if cuda and "torch" in sys.modules:
+        sys.modules["torch"].cuda.empty_cache()
 
 
 def process_times(began: float) -> dict[str, Any]:
