@@ -13,7 +13,7 @@ import pytest
 import ray
 import torch
 from safetensors.torch import load_file
-from support import ONE_RANK
+from support import KEPT, ONE_RANK
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rlinf_twoworker import RunCancelledError, TwoWorkerError, run_grpo_two_worker
@@ -350,6 +350,7 @@ def test_policy_learns_to_answer_seven(cluster_2x2, inputs, tmp_path):
         "learn",
         [
             *ONE_RANK,  # the learning, not the ranks: the reference run has two
+            *KEPT,  # its processes then serve the dynamic-batch runs (the same placement)
             f"runner.max_steps={steps}",
             f"runner.save_interval={steps}",
             "algorithm.sampling_params.max_new_tokens=1",
@@ -385,6 +386,7 @@ def test_dynamic_batch_size_gives_the_same_update(cluster_2x2, inputs, tmp_path)
     """Token-budget micro-batches change how rows are grouped, never the update itself."""
     common = [
         *ONE_RANK,  # how one rank cuts its rows; the ranks' split is the reference run's
+        *KEPT,  # the learning run's processes, then the first run's for the second
         "runner.max_steps=1",
         "runner.save_interval=1",
         "actor.optim.lr=1e-3",

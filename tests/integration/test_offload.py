@@ -10,7 +10,7 @@ import weakref
 import pytest
 import ray
 import torch
-from support import tiny_lm
+from support import KEPT, tiny_lm
 
 from rlinf_twoworker import run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config, make_inputs
@@ -154,6 +154,7 @@ def _run(inputs, tmp_path, run_id: str, overrides: list[str]):
         run_id,
         [
             *ONE_GPU,
+            *KEPT,  # the second run in the first one's processes
             "actor.optim.lr=1e-3",  # step 2 samples from visibly moved weights
             "rollout.validate_weight=true",  # the refilled copies equal the actor, bit for bit
             "runner.save_interval=2",  # the checkpoint is written from offloaded state

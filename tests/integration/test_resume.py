@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from support import KEPT
 
 from rlinf_twoworker import TwoWorkerError, run_grpo_two_worker
 from rlinf_twoworker.api.demo import DemoInputs, demo_config, make_inputs
@@ -29,6 +30,7 @@ TIMEOUT = 300
 # lr high enough that 2 steps move the weights far beyond the tolerance; warm-up over all 16
 # optimiser steps (4 GRPO steps x 4 minibatches) so a lost lr schedule changes steps 3 and 4.
 SETTINGS = [
+    *KEPT,  # the three runs, one after another, in the first one's processes
     "actor.optim.lr=1e-3",
     "actor.lr_sched.lr_warmup_iters=16",
     "rollout.validate_weight=true",
