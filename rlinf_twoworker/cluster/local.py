@@ -11,6 +11,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
@@ -96,6 +97,7 @@ class LocalCluster:
         self._cluster: Any = None  # ray.cluster_utils.Cluster once started
         self._temp_dir: str | None = None  # this cluster's own Ray temp directory
         self._connected = False  # whether start() connected this process (and so may shut down)
+        self._added: dict[str, Any] = {}  # node id -> the node add_node started
 
     @property
     def address(self) -> str:
@@ -160,6 +162,35 @@ class LocalCluster:
             self._connected = True
         return self
 
+    def add_node(self, gpus: int | None = None, timeout_s: float = 60.0) -> str:
+        """Start one more node (gpus: its GPUs, default gpus_per_node; its CPUs and object
+        store as the others'), wait until it has joined, and return its Ray node id: a cluster
+        that grows while it runs, as an autoscaler grows one. `remove_node` takes it out."""
+        if self._cluster is None:
+            raise RuntimeError("LocalCluster is not started; start it before adding a node")
+        index = len(self._cluster.list_all_nodes())
+        args = self._node_args(index)
+        if gpus is not None:
+            args["num_gpus"] = gpus
+        with _host_address_untouched():
+            node = self._cluster.add_node(**args)
+        self._cluster.wait_for_nodes(timeout=timeout_s)
+        self._added[node.node_id] = node
+        return node.node_id
+
+    def remove_node(self, node_id: str, timeout_s: float = 30.0) -> None:
+        """Stop a node that add_node started and wait until Ray no longer counts it alive
+        (TimeoutError after timeout_s)."""
+        import ray
+
+        node = self._added.pop(node_id)
+        self._cluster.remove_node(node)
+        deadline = time.monotonic() + timeout_s
+        while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {node_id[:8]} still counts as alive {timeout_s:g} s on")
+            time.sleep(0.1)
+
     def shutdown(self) -> None:
         import ray
 
@@ -171,6 +202,7 @@ class LocalCluster:
             with _host_address_untouched():
                 self._cluster.shutdown()
             self._cluster = None
+            self._added.clear()
         if self._temp_dir is not None:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
             self._temp_dir = None

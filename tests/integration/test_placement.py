@@ -204,10 +204,8 @@ def test_three_nodes_one_gpu_each_places(cluster_2x2):
     """num_nodes=3 x num_gpus_per_node=1: three bundles of one GPU, one a node, bundle 0 on the
     driver's node, each component on its bundle's node with one GPU of it. The third node (one
     GPU) joins the session's 2x2 cluster for this test and leaves after it."""
-    ray_cluster = cluster_2x2._cluster
-    node = ray_cluster.add_node(**{**cluster_2x2._node_args(2), "num_gpus": 1})
+    node = cluster_2x2.add_node(gpus=1)
     try:
-        ray_cluster.wait_for_nodes()
         cluster = ClusterConfig(
             num_nodes=3,
             num_gpus_per_node=1,
@@ -221,13 +219,9 @@ def test_three_nodes_one_gpu_each_places(cluster_2x2):
         finally:
             assert wait_removed(pg)
     finally:
-        ray_cluster.remove_node(node)
-        gone = time.monotonic() + 30  # the later tests count the session's nodes
-        while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
-            assert time.monotonic() < gone, "the third node still counts as alive"
-            time.sleep(0.1)
+        cluster_2x2.remove_node(node)  # the later tests count the session's nodes
     assert len(set(bundles)) == 3 and bundles[0] == ray.get_runtime_context().get_node_id()
-    assert node.node_id in bundles
+    assert node in bundles
     for slot in placement.slots:
         where, gpus = found[slot.name]
         assert where == bundles[slot.bundle], slot
