@@ -5,6 +5,8 @@ free them."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,6 +15,7 @@ from support import KEPT
 
 from rlinf_twoworker import TwoWorkerError, release_kept, run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config
+from rlinf_twoworker.config import to_yaml
 from rlinf_twoworker.run import kept
 
 TIMEOUT = 300
@@ -57,31 +60,63 @@ def free_gpus(timeout_s: float = 10.0) -> float:
 
 def test_a_run_in_kept_processes_trains_as_a_fresh_run(cluster_2x2, finished_inputs, tmp_path):
     lr = ["actor.optim.lr=1e-3"]  # the weights move: step 2 reads what step 1 trained
-    _, first = run(finished_inputs, tmp_path, "first", [*KEPT, *lr])
+    first_steps, first = run(finished_inputs, tmp_path, "first", [*KEPT, *lr])
     assert "KEPT_PROCESSES 4 processes" in (first / "log" / "main.log").read_text()
     assert len(kept._kept_groups()) == 1 and free_gpus(1.0) == 0  # held, idle, for the next
     steps, second = run(finished_inputs, tmp_path, "second", [*KEPT, *lr])
-    log = (second / "log" / "main.log").read_text()
-    assert "with 4 kept processes" in log
+    assert "with 4 kept processes" in (second / "log" / "main.log").read_text()
     # The model components ran in the first run's processes; the reward is made per run.
     before, now = pids(first), pids(second)
     assert {k: now[k] for k in MODEL_PROCESSES} == {k: before[k] for k in MODEL_PROCESSES}
     assert now["reward:0"] != before["reward:0"]
-    # A run that does not keep frees them as it starts, and trains as the kept run did.
+    # ... and trained as the first run did in its fresh processes.
+    assert trained(steps) == trained(first_steps)
+    assert trained(steps)[0]["actor/training/actor/grad_norm"] > 0  # real updates
+    # A run that does not keep frees them as it starts: its processes are new, and after it
+    # every GPU is free.
     fresh_steps, fresh = run(finished_inputs, tmp_path, "fresh", lr)
     assert not set(pids(fresh).values()) & set(now.values())
-    assert trained(steps) == trained(fresh_steps)
-    assert trained(steps)[0]["actor/training/actor/grad_norm"] > 0  # real updates
+    assert trained(fresh_steps) == trained(steps)
     assert kept._kept_groups() == [] and free_gpus() == ray.cluster_resources()["GPU"]
 
 
-def test_release_kept_frees_them_and_a_failed_run_keeps_nothing(cluster_2x2, demo_inputs, tmp_path):
+DRIVER = """
+import sys
+from rlinf_twoworker import run_grpo_two_worker
+from rlinf_twoworker.config import load_config
+
+handle = run_grpo_two_worker(load_config(sys.argv[1]), ray_address=sys.argv[2])
+assert handle.result(timeout=300).passed
+print("KEPT", flush=True)
+"""
+
+
+def test_kept_processes_end_with_their_driver_release_kept_or_a_failure(
+    cluster_2x2, demo_inputs, tmp_path
+):
+    # A Driver (a notebook's kernel, say) keeps its run's processes and exits: they and their
+    # group go with its job, and the cluster's GPUs are free again.
+    config = tmp_path / "config.yaml"
+    config.write_text(to_yaml(demo_config(demo_inputs, tmp_path / "runs", "driver", KEPT)))
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(config), cluster_2x2.address],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0 and "KEPT" in done.stdout, done.stderr[-3000:]
+    assert "KEPT_PROCESSES 4 processes" in (tmp_path / "runs/driver/log/main.log").read_text()
+    deadline = time.monotonic() + 30
+    while kept._kept_groups() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert kept._kept_groups() == [] and free_gpus() == ray.cluster_resources()["GPU"]
+    # release_kept() frees idle kept processes.
     run(demo_inputs, tmp_path, "kept", KEPT)
     assert len(kept._kept_groups()) == 1
     assert release_kept() == 1
     assert kept._kept_groups() == [] and free_gpus() == ray.cluster_resources()["GPU"]
-    # A run that fails (its first step's timeout) kills its processes and removes its group.
-    run(demo_inputs, tmp_path, "kept-again", KEPT)
+    # A run that fails (its first step's timeout) kills its processes, kept or not, and
+    # removes its group.
     handle = run_grpo_two_worker(
         demo_config(demo_inputs, tmp_path, "failing", [*KEPT, "runner.timeouts.step_s=0.001"])
     )
