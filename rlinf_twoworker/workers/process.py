@@ -124,11 +124,13 @@ def detach_log() -> None:
 
 
 def drop_worker(cuda: bool) -> None:
-    """After a kept process's worker is dropped: collect it, forget what torch.compile traced
-    of its model (a later model is traced afresh, not counted against the recompile limit),
-    and give its GPU memory back."""
+    """After a kept process's worker is dropped: collect it (what engines/offload.settle_heap
+    froze included: a frozen cycle would keep the old model alive), forget what torch.compile
+    traced of its model (a later model is traced afresh, not counted against the recompile
+    limit), and give its GPU memory back."""
     import gc
 
+    gc.unfreeze()
     gc.collect()
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
