@@ -273,7 +273,8 @@ class ComponentGroup:
             kept = keep and entry.keep and isinstance(worker, str)
             host = taken.hosts.get((slot.component, slot.rank)) if taken and kept else None
             if host is not None:
-                host.rebind.remote(self.cfg, slot.rank)  # before any other call of this run
+                # Before any other call of this run (Ray keeps one caller's calls in order).
+                getattr(host, method_name(Process.rebind)).remote(self.cfg, slot.rank)
                 handle = host
             else:
                 handle = self._new_process(slot, worker, entry, kept)
@@ -533,9 +534,11 @@ class ComponentGroup:
         try:
             # Futures, not ray.get: this runs in a thread of the controller's event loop.
             deadline = time.monotonic() + timeout_s
-            for ref in [m.handle.unload.remote() for m in kept]:
+            unloads = [getattr(m.handle, method_name(Process.unload)).remote() for m in kept]
+            for ref in unloads:
                 ref.future().result(max(0.0, deadline - time.monotonic()))
-            lock.handle.unclaim.remote().future().result(max(0.0, deadline - time.monotonic()))
+            unclaim = getattr(lock.handle, method_name(Process.unclaim)).remote()
+            unclaim.future().result(max(0.0, deadline - time.monotonic()))
         except Exception:
             return False
         return True

@@ -63,6 +63,28 @@ class Process(Protocol):
         """Save what it compiled since the last save: 'cache' (lines to log), 'compile_s'."""
         ...
 
+    def rebind(self, cfg: GRPOConfig, rank: int) -> None:
+        """Take a run's config: a kept process's first call of each later run
+        (cluster.keep_processes, run/kept.py)."""
+        ...
+
+    def unload(self) -> dict[str, Any]:
+        """Drop the worker, its process groups and its log, and give its memory back, for the
+        next run (a kept process); answers `where`."""
+        ...
+
+    def claim(self, run_id: str) -> bool:
+        """Whether `run_id` now holds the kept group whose lock this process is."""
+        ...
+
+    def claimed_by(self) -> str | None:
+        """The run that holds the kept group (None: idle)."""
+        ...
+
+    def unclaim(self) -> None:
+        """The group is idle again."""
+        ...
+
 
 class Component(Protocol):
     """Every worker: what the run asks of each one after it is built."""
