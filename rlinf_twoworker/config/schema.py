@@ -132,7 +132,8 @@ class ClusterConfig:
     of this Ray job with the same placement loads its models into them instead of starting
     processes (no imports of torch and transformers: seconds a process). Any run that does
     not take them frees them as it starts, and so do rlinf_twoworker.release_kept() and the
-    job's end; a run that fails or is cancelled keeps nothing (run/kept.py)."""
+    job's end; a run that fails or is cancelled after its models began to load keeps nothing,
+    one that fails before (preflight, data, memory plan) gives them back unused (run/kept.py)."""
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
 
     def __post_init__(self) -> None:

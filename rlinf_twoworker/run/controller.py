@@ -192,6 +192,9 @@ class RunController:
         self.last_step = 0  # the step `last` belongs to
         self.started_at = time.time()
         self.components_ready = False  # every component answered (topology is known)
+        self.loading = False
+        """Whether the components began to load their models (a run that fails before holds
+        processes that never held anything of it: kept ones are given back, run/kept.py)."""
         self.components_began = 0.0  # time.time() when the components were asked to start
         self.clock = StartupClock(self.log.detail, called_at)
         self.memory_plan: MemoryPlan | None = None
@@ -337,7 +340,9 @@ class RunController:
             if self.watch is not None:
                 self.watch.stop()
             try:  # release first: when a future raises, the cluster is already free
-                await self._release_bounded()
+                # (a keeping run that failed before its models began to load gives its
+                # processes back unused; after, they hold what the failure left: killed)
+                await self._release_bounded(keep=self.keeps and not self.loading)
             finally:
                 if failure is not None:
                     await self._fail(*failure)
@@ -384,6 +389,7 @@ class RunController:
         with clock.phase("memory_plan"):  # refused here, before any model loads
             self.memory_plan = await self._plan_memory(shapes, report.nodes, group.gpu_of())
         self.phase = "loading components"
+        self.loading = True  # from here on a failure leaves processes nobody may reuse
         with clock.phase("components"):
             await group.load()  # every component loads its model in parallel
         self.components_ready = True

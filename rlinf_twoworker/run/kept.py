@@ -13,8 +13,9 @@ the claim: one run at a time uses a group.
 Any run that does not take an idle kept group frees it when it starts (its processes are
 killed with the group), so kept processes never hold GPUs another run asks for; so do
 `release_kept()` and the end of the Ray job (the group is the job's, and its actors die
-with it). A run that fails or is cancelled kills its processes and removes its group, kept
-or not.
+with it). A run that fails or is cancelled after its models began to load kills its
+processes and removes its group, kept or not; one that fails before (the preflight, its data,
+the memory plan) gives its kept processes back as they came, for the next run.
 """
 
 from __future__ import annotations

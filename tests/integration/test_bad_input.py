@@ -23,7 +23,7 @@ import pytest
 import ray
 from omegaconf import OmegaConf
 from ray.util.placement_group import placement_group
-from support import ONE_RANK
+from support import KEPT, ONE_RANK
 
 from rlinf_twoworker import (
     ClusterError,
@@ -33,9 +33,10 @@ from rlinf_twoworker import (
     run_grpo_two_worker,
 )
 from rlinf_twoworker.api.demo import DATA_NAME, demo_config, make_inputs
-from rlinf_twoworker.cluster.connect import ray_name
+from rlinf_twoworker.cluster.connect import NAMESPACE, ray_name
 from rlinf_twoworker.cluster.placement import wait_removed
 from rlinf_twoworker.config import load_config
+from rlinf_twoworker.run import kept
 from rlinf_twoworker.storage.data import DataError, load_jsonl
 from rlinf_twoworker.storage.manifest import write_manifest
 
@@ -88,6 +89,21 @@ def run_error(cfg, **kwargs) -> BaseException:
     groups = ray.util.placement_group_table().values()
     assert all(g["state"] == "REMOVED" for g in groups if g["name"] == pg)
     return failed.value
+
+
+def preflight_error(inputs, tmp_path, run_id: str) -> BaseException:
+    """A run that fails before its models load and keeps its processes (KEPT): its error, once
+    it has given them back idle for the next run. A run that finds such processes (the test
+    before's) starts in them."""
+    idle_before = kept._kept_groups()
+    error = run_error(demo_config(inputs, tmp_path / "out", run_id, [*ONE_RANK, *KEPT]))
+    (group,) = kept._kept_groups()
+    lock = ray.get_actor(kept.host_name(group[0], *kept.LOCK), namespace=NAMESPACE)
+    assert ray.get(lock.claimed_by.remote(), timeout=30) is None  # idle, for the next run
+    if [name for _, name in idle_before] == [group[1]]:  # the same group: it was taken
+        log = (tmp_path / "out" / run_id / "log" / "main.log").read_text()
+        assert "with 3 kept processes" in log
+    return error
 
 
 def assert_failed_cleanly(run_dir: Path, inputs, before: dict[str, str], error) -> None:
@@ -274,7 +290,7 @@ def test_no_reachable_ray_cluster_is_a_cluster_error(pristine, tmp_path):
 def test_missing_model_file_fails_preflight_naming_it(cluster_2x2, inputs, tmp_path):
     (inputs.model_path / "model.safetensors").unlink()
     before = listing(inputs.root)
-    error = run_error(demo_config(inputs, tmp_path / "out", "no-weights", ONE_RANK))
+    error = preflight_error(inputs, tmp_path, "no-weights")
     assert isinstance(error, PreflightError)
     assert f"{inputs.model_path / 'model.safetensors'} (listed in" in str(error)
     assert "is missing or not a regular file" in str(error)
@@ -288,7 +304,7 @@ def test_missing_model_file_fails_preflight_naming_it(cluster_2x2, inputs, tmp_p
 def test_empty_data_file_fails_preflight_naming_it(cluster_2x2, inputs, tmp_path):
     inputs.data_path.write_bytes(b"")
     before = listing(inputs.root)
-    error = run_error(demo_config(inputs, tmp_path / "out", "empty-data", ONE_RANK))
+    error = preflight_error(inputs, tmp_path, "empty-data")
     assert isinstance(error, PreflightError)
     assert f"{inputs.data_path} (listed in" in str(error) and "is empty (0 bytes)" in str(error)
     assert_failed_cleanly(tmp_path / "out" / "empty-data", inputs, before, error)
@@ -299,7 +315,7 @@ def test_unreadable_manifest_fails_preflight_naming_it(cluster_2x2, inputs, tmp_
     manifest = inputs.model_path / "SHA256SUMS"
     manifest.write_bytes(b"\xff\xfe\x00 not a manifest")
     before = listing(inputs.root)
-    error = run_error(demo_config(inputs, tmp_path / "out", "bad-manifest", ONE_RANK))
+    error = preflight_error(inputs, tmp_path, "bad-manifest")
     assert isinstance(error, PreflightError)
     assert f"manifest {manifest} cannot be read" in str(error)
     assert_failed_cleanly(tmp_path / "out" / "bad-manifest", inputs, before, error)
@@ -309,7 +325,7 @@ def test_file_differing_from_its_manifest_fails_preflight_naming_it(cluster_2x2,
     config = inputs.model_path / "config.json"
     config.write_text(config.read_text() + " ")
     before = listing(inputs.root)
-    error = run_error(demo_config(inputs, tmp_path / "out", "changed-model", ONE_RANK))
+    error = preflight_error(inputs, tmp_path, "changed-model")
     assert isinstance(error, PreflightError)
     assert f"{config} (listed in" in str(error) and "but the manifest says" in str(error)
     assert str(error).count(f"{config} (listed in") == 2  # each node reports it
@@ -326,7 +342,7 @@ def write_with_bad_line(inputs, line_number: int) -> None:
 def test_malformed_data_line_fails_the_run_naming_file_and_line(cluster_2x2, inputs, tmp_path):
     write_with_bad_line(inputs, 5)
     before = listing(inputs.root)
-    error = run_error(demo_config(inputs, tmp_path / "out", "bad-line", ONE_RANK))
+    error = preflight_error(inputs, tmp_path, "bad-line")
     assert isinstance(error, DataError)
     assert f"malformed line {inputs.data_path}:5: invalid JSON" in str(error)
     assert "data.skip_malformed_lines=true" in str(error)
@@ -350,7 +366,7 @@ def test_model_that_is_not_a_causal_lm_fails_in_preflight_naming_the_model(
     config.write_text(json.dumps({**fields, "architectures": ["BertModel"]}))
     write_manifest(inputs.model_path)
     before = listing(inputs.root)
-    error = run_error(demo_config(inputs, tmp_path / "out", "not-causal", ONE_RANK))
+    error = preflight_error(inputs, tmp_path, "not-causal")
     # Caught by every node's probe, before any component loads a model.
     assert isinstance(error, PreflightError), error
     assert f"model {inputs.model_path}: architectures ['BertModel'] is not a causal LM" in str(
