@@ -112,3 +112,17 @@ def tiny_lm(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return model_class(made).eval()
+
+
+def settled_free_gpus(timeout_s: float = 10.0) -> float:
+    """The connected cluster's free GPUs, once processes killed just before have handed theirs
+    back (ray.kill and a group's removal are asynchronous); waits at most timeout_s."""
+    import time
+
+    import ray
+
+    total = ray.cluster_resources().get("GPU", 0)
+    deadline = time.monotonic() + timeout_s
+    while (free := ray.available_resources().get("GPU", 0)) < total and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return free

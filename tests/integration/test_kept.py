@@ -11,7 +11,7 @@ import time
 
 import pytest
 import ray
-from support import KEPT
+from support import KEPT, settled_free_gpus
 
 from rlinf_twoworker import TwoWorkerError, release_kept, run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config
@@ -49,20 +49,11 @@ def run(inputs, root, name, overrides):
     return steps, root / name
 
 
-def free_gpus(timeout_s: float = 10.0) -> float:
-    """The cluster's free GPUs, once killed processes have given theirs back."""
-    total = ray.cluster_resources().get("GPU", 0)
-    deadline = time.monotonic() + timeout_s
-    while (free := ray.available_resources().get("GPU", 0)) < total and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return free
-
-
 def test_a_run_in_kept_processes_trains_as_a_fresh_run(cluster_2x2, finished_inputs, tmp_path):
     lr = ["actor.optim.lr=1e-3"]  # the weights move: step 2 reads what step 1 trained
     first_steps, first = run(finished_inputs, tmp_path, "first", [*KEPT, *lr])
     assert "KEPT_PROCESSES 4 processes" in (first / "log" / "main.log").read_text()
-    assert len(kept._kept_groups()) == 1 and free_gpus(1.0) == 0  # held, idle, for the next
+    assert len(kept._kept_groups()) == 1 and settled_free_gpus(1.0) == 0  # held, idle, for the next
     steps, second = run(finished_inputs, tmp_path, "second", [*KEPT, *lr])
     assert "with 4 kept processes" in (second / "log" / "main.log").read_text()
     # The model components ran in the first run's processes; the reward is made per run.
@@ -77,7 +68,7 @@ def test_a_run_in_kept_processes_trains_as_a_fresh_run(cluster_2x2, finished_inp
     fresh_steps, fresh = run(finished_inputs, tmp_path, "fresh", lr)
     assert not set(pids(fresh).values()) & set(now.values())
     assert trained(fresh_steps) == trained(steps)
-    assert kept._kept_groups() == [] and free_gpus() == ray.cluster_resources()["GPU"]
+    assert kept._kept_groups() == [] and settled_free_gpus() == ray.cluster_resources()["GPU"]
 
 
 DRIVER = """
@@ -109,12 +100,12 @@ def test_kept_processes_end_with_their_driver_release_kept_or_a_failure(
     deadline = time.monotonic() + 30
     while kept._kept_groups() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert kept._kept_groups() == [] and free_gpus() == ray.cluster_resources()["GPU"]
+    assert kept._kept_groups() == [] and settled_free_gpus() == ray.cluster_resources()["GPU"]
     # release_kept() frees idle kept processes.
     run(demo_inputs, tmp_path, "kept", KEPT)
     assert len(kept._kept_groups()) == 1
     assert release_kept() == 1
-    assert kept._kept_groups() == [] and free_gpus() == ray.cluster_resources()["GPU"]
+    assert kept._kept_groups() == [] and settled_free_gpus() == ray.cluster_resources()["GPU"]
     # A run that fails (its first step's timeout) kills its processes, kept or not, and
     # removes its group.
     handle = run_grpo_two_worker(
@@ -122,7 +113,7 @@ def test_kept_processes_end_with_their_driver_release_kept_or_a_failure(
     )
     with pytest.raises(Exception, match="did not finish within"):
         handle.result(timeout=TIMEOUT)
-    assert kept._kept_groups() == [] and free_gpus() == ray.cluster_resources()["GPU"]
+    assert kept._kept_groups() == [] and settled_free_gpus() == ray.cluster_resources()["GPU"]
     # The caller's placement group is never kept: asking for both is refused by name.
     with pytest.raises(TwoWorkerError, match="cluster.keep_processes=true keeps"):
         run_grpo_two_worker(

@@ -8,6 +8,7 @@ import time
 import pytest
 import ray
 from ray.util.placement_group import placement_group, placement_group_table
+from support import settled_free_gpus
 
 from rlinf_twoworker.cluster.placement import (
     bundle_node_ids,
@@ -41,15 +42,6 @@ def start_pinned(pg, placement: Placement) -> dict[str, tuple[str, list[str]]]:
         for actor in actors:
             ray.kill(actor)
     return {slot.name: where for slot, where in zip(placement.slots, found)}
-
-
-def settled_free_gpus(timeout_s: float = 10.0) -> float:
-    """Free GPUs once actors killed by earlier tests have handed theirs back (ray.kill is async)."""
-    total = ray.cluster_resources().get("GPU", 0)
-    deadline = time.monotonic() + timeout_s
-    while (free := ray.available_resources().get("GPU", 0)) < total and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return free
 
 
 def live_groups() -> set[str]:
