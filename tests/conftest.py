@@ -40,6 +40,20 @@ def cluster_2x2():
         cluster.shutdown()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_kept_processes_left():
+    """A module's runs may keep their processes for one another (support.KEPT); none are left
+    to the next module: placement groups made outside the library (the callers' groups, Tune's
+    trials', the probes' tests) would wait behind their GPUs."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        from rlinf_twoworker import release_kept
+
+        release_kept()
+
+
 @pytest.fixture(scope="session")
 def demo_inputs(tmp_path_factory):
     """The demo's inputs (its default task), made once for the session; read-only: a test that
