@@ -15,6 +15,7 @@ from support import KEPT, settled_free_gpus
 
 from rlinf_twoworker import TwoWorkerError, release_kept, run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config
+from rlinf_twoworker.api.tune import trial_resources
 from rlinf_twoworker.config import to_yaml
 from rlinf_twoworker.run import kept
 
@@ -101,10 +102,15 @@ def test_kept_processes_end_with_their_driver_release_kept_or_a_failure(
     while kept._kept_groups() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert kept._kept_groups() == [] and settled_free_gpus() == ray.cluster_resources()["GPU"]
-    # release_kept() frees idle kept processes.
+    # release_kept() frees idle kept processes, and so does a Tune sweep's set-up (its
+    # trials' groups are Tune's: they would wait behind the kept GPUs).
     run(demo_inputs, tmp_path, "kept", KEPT)
     assert len(kept._kept_groups()) == 1
     assert release_kept() == 1
+    assert kept._kept_groups() == [] and settled_free_gpus() == ray.cluster_resources()["GPU"]
+    run(demo_inputs, tmp_path, "kept-again", KEPT)
+    assert len(kept._kept_groups()) == 1
+    trial_resources(demo_config(demo_inputs, tmp_path, "sweep", []))
     assert kept._kept_groups() == [] and settled_free_gpus() == ray.cluster_resources()["GPU"]
     # A run that fails (its first step's timeout) kills its processes, kept or not, and
     # removes its group.
