@@ -267,13 +267,10 @@ class RunHandle:
 
 def _remove_placement_group(name: str) -> None:
     """Remove the live placement group called `name`, whichever namespace made it."""
-    from ray.util.placement_group import PlacementGroup, placement_group_table
+    from rlinf_twoworker.cluster.placement import live_groups, wait_removed
 
-    from rlinf_twoworker.cluster.placement import wait_removed
-
-    for pg_id, info in placement_group_table().items():
-        if info["name"] == name and info["state"] != "REMOVED":
-            wait_removed(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+    for pg, _ in live_groups(lambda group: group == name):
+        wait_removed(pg)
 
 
 def _cause(exc: ray.exceptions.RayTaskError) -> BaseException:

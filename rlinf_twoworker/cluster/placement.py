@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rlinf_twoworker.errors import PlacementError
@@ -148,6 +149,19 @@ def scheduling_options(
         "num_gpus": placement.gpu_fraction(slot),
         "num_cpus": num_cpus,
     }
+
+
+def live_groups(named: Callable[[str], bool]) -> list[tuple[PlacementGroup, str]]:
+    """Every placement group of the cluster not yet removed whose name `named` accepts,
+    with its name (whichever job or namespace made it)."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    return [
+        (PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))), info.get("name") or "")
+        for pg_id, info in placement_group_table().items()
+        if info.get("state") != "REMOVED" and named(info.get("name") or "")
+    ]
 
 
 def wait_removed(pg: PlacementGroup, timeout_s: float = 10.0) -> bool:

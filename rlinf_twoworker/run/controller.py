@@ -427,9 +427,10 @@ class RunController:
         else:
             # Idle kept processes (an earlier run's, run/kept.py): this run takes them when
             # it keeps its own and they match it; any others are freed for its group.
-            workers = {c.name: c.worker for c in components.in_run(cfg)} | (self.classes or {})
-            slots = cfg.placement.slots
-            sig = kept.signature(cfg, slots, workers) if self.keeps else None
+            slots, sig = cfg.placement.slots, None
+            if self.keeps:
+                workers = {c.name: c.worker for c in components.in_run(cfg)}
+                sig = kept.signature(cfg, slots, workers | (self.classes or {}))
             self.taken = await asyncio.to_thread(kept.take, sig, self.run_id, slots)
             if self.taken is not None:
                 self.pg = pg = self.taken.pg

@@ -15,7 +15,6 @@ answer.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -526,11 +525,7 @@ class ComponentGroup:
         lock = next((m for m in kept if (m.slot.component, m.slot.rank) == KEPT_LOCK), None)
         if lock is None:
             return False
-        self.stopping = True
-        for member in self.all():
-            if not member.kept:
-                with contextlib.suppress(Exception):
-                    ray.kill(member.handle, no_restart=True)
+        self.kill([m for m in self.all() if not m.kept])
         try:
             # Futures, not ray.get: this runs in a thread of the controller's event loop.
             deadline = time.monotonic() + timeout_s
@@ -543,9 +538,10 @@ class ComponentGroup:
             return False
         return True
 
-    def kill(self) -> None:
+    def kill(self, members: list[Member] | None = None) -> None:
+        """Kill `members` (default: all of them)."""
         self.stopping = True  # our own kills are not deaths to report
-        for member in self.all():
+        for member in self.all() if members is None else members:
             try:
                 ray.kill(member.handle, no_restart=True)
             except Exception:  # already dead: nothing left to release

@@ -75,15 +75,9 @@ def host_name(pg: Any, component: str, rank: int) -> str:
 
 def _kept_groups() -> list[tuple[Any, str]]:
     """Every live kept placement group of the cluster, with its name."""
-    import ray
-    from ray.util.placement_group import PlacementGroup, placement_group_table
+    from rlinf_twoworker.cluster.placement import live_groups
 
-    found = []
-    for pg_id, info in placement_group_table().items():
-        name = info.get("name") or ""
-        if name.startswith(PREFIX + ":") and info.get("state") != "REMOVED":
-            found.append((PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))), name))
-    return found
+    return live_groups(lambda name: name.startswith(PREFIX + ":"))
 
 
 def _host(pg: Any, component: str, rank: int) -> Any | None:
@@ -101,7 +95,6 @@ def _claim(pg: Any, run_id: str) -> bool:
     """Claim group `pg` for `run_id`; False when another run holds it, or when its lock
     process does not exist (yet: the run that made the group is starting its processes). A
     group whose lock process is dead or hung is claimed: it can only be freed."""
-
     lock = _host(pg, *LOCK)
     if lock is None:
         return False
@@ -132,7 +125,6 @@ def take(sig: str | None, run_id: str, slots: Sequence[Any]) -> KeptGroup | None
 
 def free_claimed(run_id: str) -> None:
     """Remove the kept groups `run_id` holds (its controller died while it held them)."""
-
     from rlinf_twoworker.cluster.placement import wait_removed
 
     for pg, name in _kept_groups():

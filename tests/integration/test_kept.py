@@ -5,8 +5,6 @@ free them."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -73,30 +71,23 @@ def test_a_run_in_kept_processes_trains_as_a_fresh_run(cluster_2x2, finished_inp
 
 
 DRIVER = """
-import sys
+import json, sys
 from rlinf_twoworker import run_grpo_two_worker
 from rlinf_twoworker.config import load_config
 
 handle = run_grpo_two_worker(load_config(sys.argv[1]), ray_address=sys.argv[2])
-assert handle.result(timeout=300).passed
-print("KEPT", flush=True)
+print(json.dumps(handle.result(timeout=300).passed))
 """
 
 
 def test_kept_processes_end_with_their_driver_release_kept_or_a_failure(
-    cluster_2x2, demo_inputs, tmp_path
+    cluster_2x2, demo_inputs, tmp_path, own_process
 ):
     # A Driver (a notebook's kernel, say) keeps its run's processes and exits: they and their
     # group go with its job, and the cluster's GPUs are free again.
     config = tmp_path / "config.yaml"
     config.write_text(to_yaml(demo_config(demo_inputs, tmp_path / "runs", "driver", KEPT)))
-    done = subprocess.run(
-        [sys.executable, "-c", DRIVER, str(config), cluster_2x2.address],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert done.returncode == 0 and "KEPT" in done.stdout, done.stderr[-3000:]
+    assert own_process(DRIVER, str(config), cluster_2x2.address, timeout=TIMEOUT) is True
     assert "KEPT_PROCESSES 4 processes" in (tmp_path / "runs/driver/log/main.log").read_text()
     deadline = time.monotonic() + 30
     while kept._kept_groups() and time.monotonic() < deadline:

@@ -13,6 +13,7 @@ from support import settled_free_gpus
 from rlinf_twoworker.cluster.placement import (
     bundle_node_ids,
     create_placement_group,
+    live_groups,
     request_placement_group,
     scheduling_options,
     wait_removed,
@@ -42,10 +43,6 @@ def start_pinned(pg, placement: Placement) -> dict[str, tuple[str, list[str]]]:
         for actor in actors:
             ray.kill(actor)
     return {slot.name: where for slot, where in zip(placement.slots, found)}
-
-
-def live_groups() -> set[str]:
-    return {pg_id for pg_id, info in placement_group_table().items() if info["state"] != "REMOVED"}
 
 
 # --- resolving the placement (no Ray) --------------------------------------------------------
@@ -145,7 +142,7 @@ def test_one_node_one_gpu_topology_places_everything_on_one_gpu(cluster_2x2):
 
 
 def test_infeasible_group_fails_in_time_with_per_node_diagnostic(cluster_2x2):
-    before = live_groups()
+    before = {pg.id.hex() for pg, _ in live_groups(lambda _: True)}
     free_gpus = settled_free_gpus()
     cluster = ClusterConfig(num_nodes=3)
     start = time.monotonic()
@@ -159,11 +156,8 @@ def test_infeasible_group_fails_in_time_with_per_node_diagnostic(cluster_2x2):
     assert {node for node, _ in per_node} == alive
     assert sum(int(free) for _, free in per_node) == free_gpus
     assert "lower cluster.num_nodes" in message  # what to do
-    assert live_groups() <= before
-    names = [
-        info["name"] for info in placement_group_table().values() if info["state"] != "REMOVED"
-    ]
-    assert "test-three-nodes" not in names
+    assert {pg.id.hex() for pg, _ in live_groups(lambda _: True)} <= before
+    assert not live_groups(lambda name: name == "test-three-nodes")
 
 
 def test_bundle_0_waits_for_the_drivers_node(cluster_2x2):
