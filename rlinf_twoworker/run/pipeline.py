@@ -116,7 +116,10 @@ async def grade(
         timeout=cfg.runner.timeouts.step_s,
         stage=stage,
     )
-    return torch.tensor(graded.scores, dtype=torch.float32), time.perf_counter() - start
+    # The reward's own grading seconds (its calls queue behind one another: a chunk's call
+    # timed here would count the wait for the one before); the call's, where it gives none.
+    seconds = graded.stats.get("seconds", time.perf_counter() - start)
+    return torch.tensor(graded.scores, dtype=torch.float32), float(seconds)
 
 
 async def logprobs(

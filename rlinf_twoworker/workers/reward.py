@@ -278,6 +278,18 @@ class MathReward:
     ) -> list[float]:
         """+reward_scale for each answer that matches one of its solutions, else -reward_scale;
         under reward_fn, the function's value for each answer and its `rows` entry."""
+        return self.scored(answers, solutions, rows)[0]
+
+    def scored(
+        self,
+        answers: Sequence[str],
+        solutions: Sequence[Sequence[str]],
+        rows: Sequence[PromptRow] | None = None,
+    ) -> tuple[list[float], dict[str, float]]:
+        """score()'s values and this call's own stats (last_stats may be a later call's by
+        the time a caller reads it); `seconds` is the grading's own time, under the lock, so
+        the seconds of calls that waited for one another add up to no more than the wall
+        clock."""
         if len(answers) != len(solutions):
             raise ValueError(f"{len(answers)} answers but {len(solutions)} solution lists")
         if self.reward_fn is not None:
@@ -285,18 +297,19 @@ class MathReward:
         with self._lock:
             start = time.monotonic()
             correct, timed_out, errors = self._grade_all(list(zip(answers, solutions, strict=True)))
-        self.last_stats = {
-            "correct": sum(correct),
-            "wrong": len(correct) - sum(correct),
-            "timed_out": timed_out,
-            "errors": errors,
-            "seconds": time.monotonic() - start,
-        }
-        return [self.reward_scale if ok else -self.reward_scale for ok in correct]
+            stats = {
+                "correct": sum(correct),
+                "wrong": len(correct) - sum(correct),
+                "timed_out": timed_out,
+                "errors": errors,
+                "seconds": time.monotonic() - start,
+            }
+            self.last_stats = stats
+        return [self.reward_scale if ok else -self.reward_scale for ok in correct], stats
 
     def _score_with_function(
         self, answers: Sequence[str], rows: Sequence[PromptRow] | None
-    ) -> list[float]:
+    ) -> tuple[list[float], dict[str, float]]:
         if rows is None or len(rows) != len(answers):
             raise ValueError(
                 f"reward.reward_fn needs each answer's prompt and data row: {len(answers)} "
@@ -306,24 +319,25 @@ class MathReward:
         with self._lock:
             start = time.monotonic()
             values, timed_out, errors = self._grade_all(tasks)
-        positive = sum(v > 0 for v in values)
-        self.last_stats = {
-            "correct": positive,
-            "wrong": len(values) - positive,
-            "timed_out": timed_out,
-            "errors": errors,
-            "seconds": time.monotonic() - start,
-        }
-        return [float(v) for v in values]
+            positive = sum(v > 0 for v in values)
+            stats = {
+                "correct": positive,
+                "wrong": len(values) - positive,
+                "timed_out": timed_out,
+                "errors": errors,
+                "seconds": time.monotonic() - start,
+            }
+            self.last_stats = stats
+        return [float(v) for v in values], stats
 
-    async def score_async(
+    async def scored_async(
         self,
         answers: Sequence[str],
         solutions: Sequence[Sequence[str]],
         rows: Sequence[PromptRow] | None = None,
-    ) -> list[float]:
-        """score() in a thread, so an async actor's event loop keeps serving other calls."""
-        return await asyncio.to_thread(self.score, answers, solutions, rows)
+    ) -> tuple[list[float], dict[str, float]]:
+        """scored() in a thread, so an async actor's event loop keeps serving other calls."""
+        return await asyncio.to_thread(self.scored, answers, solutions, rows)
 
     def warm_up(self) -> None:
         """Start every grading process and grade one trivial answer in each (the grader's
@@ -568,8 +582,7 @@ class RewardWorker:
         """`rows` (each answer's prompt and data row) come only with reward.reward_fn."""
         from rlinf_twoworker.messages import Graded
 
-        scores = await self.grader.score_async(answers, solutions, rows)
-        stats = dict(self.grader.last_stats)
+        scores, stats = await self.grader.scored_async(answers, solutions, rows)
         if self.grader.reward_fn is not None and stats["timed_out"]:
             logging.getLogger(__name__).warning(
                 "%d of %d answers scored %s: %s=%s ran past reward.timeout_s=%s s on them",

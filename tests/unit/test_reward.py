@@ -96,7 +96,7 @@ def test_score_from_a_non_main_thread(reward):
     assert results == [[5.0]]
 
 
-def test_score_async_does_not_block_the_event_loop(reward):
+def test_scored_async_does_not_block_the_event_loop(reward):
     async def main() -> tuple[list[float], int]:
         ticks = 0
 
@@ -107,13 +107,32 @@ def test_score_async_does_not_block_the_event_loop(reward):
                 await asyncio.sleep(0.001)
 
         task = asyncio.create_task(ticker())
-        scores = await reward.score_async(["\\boxed{2}"] * 4, [["2"]] * 4)
+        scores, _ = await reward.scored_async(["\\boxed{2}"] * 4, [["2"]] * 4)
         task.cancel()
         return scores, ticks
 
     scores, ticks = asyncio.run(main())
     assert scores == [5.0] * 4
     assert ticks > 0
+
+
+def test_calls_at_once_each_get_their_own_stats_and_seconds_that_fit_the_wall_clock(reward):
+    """Two calls at once (a pipelined step's chunks): each gets the counts of its own answers,
+    and their grading seconds, spent one after the other under the grader's lock, add up to no
+    more than the time both took, so a step's time/reward never exceeds its time/step."""
+
+    async def both():
+        began = time.monotonic()
+        calls = await asyncio.gather(
+            reward.scored_async(["\\boxed{1}"] * 6, [["1"]] * 6),
+            reward.scored_async(["\\boxed{1}", "\\boxed{2}"], [["2"], ["2"]]),
+        )
+        return calls, time.monotonic() - began
+
+    [(first, first_stats), (second, second_stats)], wall = asyncio.run(both())
+    assert first == [5.0] * 6 and (first_stats["correct"], first_stats["wrong"]) == (6, 0)
+    assert second == [-5.0, 5.0] and (second_stats["correct"], second_stats["wrong"]) == (1, 1)
+    assert 0 < first_stats["seconds"] + second_stats["seconds"] <= wall
 
 
 def test_a_hanging_answer_times_out_and_later_calls_still_work():
