@@ -126,16 +126,7 @@ def own_process():
     return run_in_own_process
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip without a GPU. The integration tests are one group for pytest-xdist's
-    `--dist loadgroup` (pyproject's addopts): one worker runs them in order on the session's
-    cluster (a LocalCluster per worker would not fit this machine, and their module-scoped
-    runs are shared), while the other runs the unit tests beside them."""
-    cluster = pytest.mark.xdist_group("cluster")
-    for item in items:
-        if "integration" in item.path.parts:
-            item.add_marker(cluster)
     try:
         import torch
 
