@@ -294,17 +294,7 @@ class MathReward:
             raise ValueError(f"{len(answers)} answers but {len(solutions)} solution lists")
         if self.reward_fn is not None:
             return self._score_with_function(answers, rows)
-        with self._lock:
-            start = time.monotonic()
-            correct, timed_out, errors = self._grade_all(list(zip(answers, solutions, strict=True)))
-            stats = {
-                "correct": sum(correct),
-                "wrong": len(correct) - sum(correct),
-                "timed_out": timed_out,
-                "errors": errors,
-                "seconds": time.monotonic() - start,
-            }
-            self.last_stats = stats
+        correct, stats = self._graded(list(zip(answers, solutions, strict=True)), bool)
         return [self.reward_scale if ok else -self.reward_scale for ok in correct], stats
 
     def _score_with_function(
@@ -316,19 +306,27 @@ class MathReward:
                 f"answers but {'no' if rows is None else len(rows)} rows"
             )
         tasks = [(r.prompt, answer, r.row) for answer, r in zip(answers, rows, strict=True)]
+        values, stats = self._graded(tasks, lambda value: value > 0)
+        return [float(v) for v in values], stats
+
+    def _graded(
+        self, tasks: list[tuple[Any, ...]], counts_correct: Callable[[Any], bool]
+    ) -> tuple[list[Any], dict[str, float]]:
+        """Grade `tasks` under the lock: their results and this call's stats, which become
+        last_stats (`correct`: the results `counts_correct` accepts)."""
         with self._lock:
             start = time.monotonic()
-            values, timed_out, errors = self._grade_all(tasks)
-            positive = sum(v > 0 for v in values)
+            results, timed_out, errors = self._grade_all(tasks)
+            correct = sum(1 for r in results if counts_correct(r))
             stats = {
-                "correct": positive,
-                "wrong": len(values) - positive,
+                "correct": correct,
+                "wrong": len(results) - correct,
                 "timed_out": timed_out,
                 "errors": errors,
                 "seconds": time.monotonic() - start,
             }
             self.last_stats = stats
-        return [float(v) for v in values], stats
+        return results, stats
 
     async def scored_async(
         self,
