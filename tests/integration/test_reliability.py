@@ -547,13 +547,21 @@ def test_ctrl_c_on_the_cli_driver_cancels_the_run_and_frees_the_cluster(
     env["RUN_ID"] = run_id  # the Driver command's interface (the config names the same run)
     log = tmp_path / "driver.out"
     argv = [sys.executable, "-m", "rlinf_twoworker.api.cli", "run", "--config", str(path)]
+    # The Driver as started from a terminal, whose Ctrl-C it answers. A pytest started as a
+    # background job of a script (`pytest ... &`) has SIGINT ignored, as have its xdist workers,
+    # a child inherits that, and a Driver that ignores SIGINT is right to (the platform stops it
+    # with SIGTERM). A handler of this process's own is reset to the default in the child.
+    held_here = signal.signal(signal.SIGINT, signal.default_int_handler)
     with open(log, "w") as sink:
-        proc = subprocess.Popen(
-            [*argv, "--address", cluster_2x2.address],
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        try:
+            proc = subprocess.Popen(
+                [*argv, "--address", cluster_2x2.address],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        finally:
+            signal.signal(signal.SIGINT, held_here)
         try:
             # Step 1 in the run's own log, not in the Driver's echo of it: the echo comes every
             # half second of a Driver that may be starved of CPU, by when a short run of
