@@ -126,7 +126,18 @@ def own_process():
     return run_in_own_process
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    """GPU tests skip without a GPU. The tests on the session's cluster (cluster_2x2, directly
+    or through reference_run and the module fixtures) are one group for pytest-xdist's
+    `--dist loadgroup` (pyproject's addopts): one worker runs them in order on that cluster (a
+    cluster per worker would not fit this machine, and the finished runs are shared), while the
+    other runs the rest beside them: the unit tests, and the integration tests whose clusters
+    and processes are their own (examples, preload, compile cache, the CLI's checks)."""
+    cluster = pytest.mark.xdist_group("cluster")
+    for item in items:
+        if "cluster_2x2" in getattr(item, "fixturenames", ()):
+            item.add_marker(cluster)
     try:
         import torch
 
