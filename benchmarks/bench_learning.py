@@ -59,7 +59,6 @@ import torch
 from rlinf_twoworker import RunHandle, run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config, make_inputs
 from rlinf_twoworker.cluster.local import LocalCluster
-from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.results import StepResult
 from rlinf_twoworker.workers.reward import RewardWorker
 
@@ -90,13 +89,11 @@ SMOKE = Scale("cpu", "tiny", steps=8, prompts=8, group_size=8, lr=1e-3)
 class GroupSpreadReward(RewardWorker):
     """The library's reward component that also appends, per step, the share of groups whose
     rewards differ to `log_path`: only those groups get non-zero GRPO advantages, and no metric
-    reports it."""
+    reports it. `group_size`: the run's answers per prompt (a reward's settings do not hold
+    it)."""
 
     log_path = ""
-
-    def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
-        super().__init__(cfg, rank)
-        self.group_size = cfg.algorithm.group_size
+    group_size = 0
 
     async def score(self, answers: list[str], solutions: list[list[str]]) -> dict[str, Any]:
         graded = await super().score(answers, solutions)
@@ -263,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = demo_config(inputs, work / "runs", f"learning-{args.tag}", extra)
     spread_log = work / "group-spread.txt"
     spread_log.unlink(missing_ok=True)
-    reward = type("Reward", (GroupSpreadReward,), {"log_path": str(spread_log)})
+    group = {"log_path": str(spread_log), "group_size": cfg.algorithm.group_size}
+    reward = type("Reward", (GroupSpreadReward,), group)
     meta = {
         "scale": asdict(scale),
         "steps": steps,

@@ -56,6 +56,7 @@ def main() -> None:
 
     from rlinf_twoworker.api.demo import make_inputs
     from rlinf_twoworker.config import load_config, to_typed
+    from rlinf_twoworker.config.settings import actor_settings
     from rlinf_twoworker.engines.models import SequenceBatch
     from rlinf_twoworker.run.chunks import split_for_actors
     from rlinf_twoworker.workers.actor import ActorWorker
@@ -103,7 +104,7 @@ def main() -> None:
         world_size=1,
     )
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    actor = ActorWorker(cfg, 0)
+    actor = ActorWorker(actor_settings(cfg), 0)
     actor.actor_group = dist.group.WORLD
     actor.build()
 

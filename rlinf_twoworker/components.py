@@ -22,6 +22,7 @@ GRPOConfig = Any
 the table names it only in words."""
 
 MEMORY = "rlinf_twoworker.cluster.memory_parts"
+SETTINGS = "rlinf_twoworker.config.settings"
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,10 @@ class Component:
     name: str
     """The key in cluster.component_placement and in actor names (<run>:<name>:<rank>)."""
     worker: str
-    """'module:Class' of its worker; the class takes (cfg: GRPOConfig, rank: int)."""
+    """'module:Class' of its worker; the class takes (settings, rank: int)."""
+    settings: str
+    """'module:function' making its worker's settings from the run's config: what its process
+    reads of it, and nothing else (config/settings.py)."""
     memory: str
     """'module:function' of its GPU memory estimate before any model loads, by part:
     (cfg, model shapes by section, its ranks, recompute) -> {part: bytes}; the memory plan
@@ -69,6 +73,10 @@ class Component:
     def memory_estimate(self) -> Callable[..., dict[str, int]]:
         return named(self.memory)
 
+    def settings_for(self, cfg: GRPOConfig) -> Any:
+        """Its worker's settings under `cfg`."""
+        return named(self.settings)(cfg)
+
 
 def named(path: str) -> Any:
     """The class or function named 'module:name' (its module imported)."""
@@ -85,6 +93,7 @@ TABLE: tuple[Component, ...] = (
     Component(
         "rollout",
         "rlinf_twoworker.workers.rollout:RolloutWorker",
+        f"{SETTINGS}:rollout_settings",
         f"{MEMORY}:rollout_memory",
         receives_weights=True,
         model_section="rollout",
@@ -92,6 +101,7 @@ TABLE: tuple[Component, ...] = (
     Component(
         "reward",
         "rlinf_twoworker.workers.reward:RewardWorker",
+        f"{SETTINGS}:reward_settings",
         f"{MEMORY}:no_gpu_memory",
         concurrency=4,
         asynchronous=True,
@@ -101,6 +111,7 @@ TABLE: tuple[Component, ...] = (
     Component(
         "inference",
         "rlinf_twoworker.workers.inference:InferenceWorker",
+        f"{SETTINGS}:inference_settings",
         f"{MEMORY}:inference_memory",
         receives_weights=True,
         model_section="inference",
@@ -109,6 +120,7 @@ TABLE: tuple[Component, ...] = (
     Component(
         "actor",
         "rlinf_twoworker.workers.actor:ActorWorker",
+        f"{SETTINGS}:actor_settings",
         f"{MEMORY}:actor_memory",
         trains=True,
         model_section="actor",
@@ -116,6 +128,7 @@ TABLE: tuple[Component, ...] = (
     Component(
         "reference",
         "rlinf_twoworker.workers.reference:ReferenceWorker",
+        f"{SETTINGS}:reference_settings",
         f"{MEMORY}:reference_memory",
         model_section="actor",  # the actor's initial weights, frozen
         logprobs=True,
@@ -128,16 +141,6 @@ NAMES = tuple(c.name for c in TABLE)
 
 def by_name(name: str) -> Component:
     return next(c for c in TABLE if c.name == name)
-
-
-def model_section(cfg: Any, name: str) -> Any | None:
-    """The config section whose model component `name` loads (its row's `model_section`);
-    None for a component without a model (the reward), or a config without that section (a
-    stand-in worker's, in tests)."""
-    row = next((c for c in TABLE if c.name == name), None)
-    if row is None or row.model_section is None:
-        return None
-    return getattr(cfg, row.model_section, None)
 
 
 def in_run(cfg: GRPOConfig) -> list[Component]:

@@ -46,12 +46,9 @@ def no_kept_processes_left():
     to the next module: placement groups made outside the library (the callers' groups, Tune's
     trials', the probes' tests) would wait behind their GPUs."""
     yield
-    import ray
+    from rlinf_twoworker import release_kept
 
-    if ray.is_initialized():
-        from rlinf_twoworker import release_kept
-
-        release_kept()
+    release_kept()
 
 
 @pytest.fixture(scope="session")

@@ -82,12 +82,9 @@ def trial_resources(cfg: DictConfig) -> Any:
     trainable, then the run's bundles. Idle kept processes of earlier runs on the connected
     cluster (cluster.keep_processes) are released here: the trials' groups are Tune's, not
     library runs, and would wait behind their GPUs."""
-    import ray
+    from rlinf_twoworker.run.kept import release_kept
 
-    if ray.is_initialized():
-        from rlinf_twoworker.run.kept import release_kept
-
-        release_kept()
+    release_kept()
     cluster = to_typed(cfg).cluster
     bundle = {"CPU": cluster.cpus_per_bundle, "GPU": cluster.num_gpus_per_node}
     bundles: list[dict[str, float]] = [{}] + [dict(bundle) for _ in range(cluster.num_nodes)]

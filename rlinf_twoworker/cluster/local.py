@@ -178,13 +178,14 @@ class LocalCluster:
         self._added[node.node_id] = node
         return node.node_id
 
-    def remove_node(self, node_id: str, timeout_s: float = 30.0) -> None:
+    def remove_node(self, node_id: str, timeout_s: float = 30.0, graceful: bool = True) -> None:
         """Stop a node that add_node started and wait until Ray no longer counts it alive
-        (TimeoutError after timeout_s)."""
+        (TimeoutError after timeout_s). graceful=False kills its processes at once, with no
+        drain: a machine lost."""
         import ray
 
         node = self._added.pop(node_id)
-        self._cluster.remove_node(node)
+        self._cluster.remove_node(node, allow_graceful=graceful)
         deadline = time.monotonic() + timeout_s
         while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
             if time.monotonic() > deadline:

@@ -918,6 +918,25 @@ class CriticConfig:
     use_critic_model: bool = False
 
 
+@dataclass(frozen=True, kw_only=True)
+class MicroBatchRule:
+    """How one pass cuts a batch of equal-width rows into compute micro-batches: as many rows
+    as fit in `tokens`, at least `least` (`tokens` 0: `least` rows)."""
+
+    least: int
+    tokens: int
+
+    def rows(self, width: int) -> int:
+        if not self.tokens:
+            return self.least
+        return max(self.least, self.tokens // max(width, 1))
+
+    def slices(self, rows: int, width: int) -> list[slice]:
+        """Row slices of `rows` rows of `width` tokens, in order."""
+        size = self.rows(width)
+        return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
 @dataclass(kw_only=True)
 class GRPOConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -1047,25 +1066,29 @@ class GRPOConfig:
             and self.runner.val_check_interval > 0
         )
 
-    def micro_batch_rows(self, training: bool, width: int, cut: int | None = None) -> int:
-        """Rows of one compute micro-batch of `width`-token rows, the one cut rule of both
-        passes (the loss weights do not depend on it). The actor's update (`training`, one
-        rank's minibatch): as many rows as fit in runner.max_tokens_per_mbs (at least one)
-        under dynamic batch size, else in runner.micro_batch_tokens, at least
-        algorithm.training_batch_size_per_gpu. The log-prob forward: as many as fit in
-        runner.logprob_micro_batch_tokens, at least algorithm.logprob_forward_micro_batch_size.
-        A token cut of 0 leaves the RLinf key's row count alone; `cut` stands for the settled
-        token cut (the memory plan tries several)."""
+    def micro_batch_rule(self, training: bool, cut: int | None = None) -> MicroBatchRule:
+        """The micro-batch cut of one pass, the one rule of both (the loss weights do not
+        depend on it). The actor's update (`training`, one rank's minibatch): as many rows as
+        fit in runner.max_tokens_per_mbs (at least one) under dynamic batch size, else in
+        runner.micro_batch_tokens, at least algorithm.training_batch_size_per_gpu. The
+        log-prob forward: as many as fit in runner.logprob_micro_batch_tokens, at least
+        algorithm.logprob_forward_micro_batch_size. A token cut of 0 leaves the RLinf key's
+        row count alone; `cut` stands for the settled token cut (the memory plan tries
+        several)."""
         runner, algo = self.runner, self.algorithm
         if training:
-            least = algo.training_batch_size_per_gpu
             if runner.enable_dynamic_batch_size:
-                return max(1, runner.max_tokens_per_mbs // max(width, 1))
+                return MicroBatchRule(least=1, tokens=runner.max_tokens_per_mbs)
+            least = algo.training_batch_size_per_gpu
             tokens = runner.actor_cut_tokens if cut is None else cut
         else:
             least = algo.logprob_forward_micro_batch_size
             tokens = runner.logprob_cut_tokens if cut is None else cut
-        return max(least, tokens // max(width, 1)) if tokens else least
+        return MicroBatchRule(least=least, tokens=tokens)
+
+    def micro_batch_rows(self, training: bool, width: int, cut: int | None = None) -> int:
+        """Rows of one compute micro-batch of `width`-token rows (micro_batch_rule)."""
+        return self.micro_batch_rule(training, cut).rows(width)
 
     @property
     def max_new_tokens(self) -> int:

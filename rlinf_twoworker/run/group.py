@@ -66,24 +66,27 @@ class ComponentHost:
     """The worker: 'module:Class' (imported in this process only), or the class itself."""
     COMPONENT = ""
 
-    def __init__(self, cfg: GRPOConfig, rank: int = 0, kept_by: str | None = None) -> None:
+    def __init__(self, settings: Any, rank: int = 0, kept_by: str | None = None) -> None:
         self._cls: type | None = None
         self._claim = kept_by
         """The run using this process, where it is kept between runs (run/kept.py)."""
-        self.rebind(cfg, rank)
+        self.rebind(settings, rank)
 
-    def rebind(self, cfg: GRPOConfig, rank: int) -> None:
-        """Take a run's config: a new process's first call, and a kept process's first call
-        of each later run (its worker unloaded by the last run)."""
-        self._args = (cfg, rank)
+    def rebind(self, settings: Any, rank: int) -> None:
+        """Take a run's settings for this component (config/settings.py): a new process's
+        first call, and a kept process's first call of each later run (its worker unloaded by
+        the last run)."""
+        self._args = (settings, rank)
         self._placed_at = time.time()  # the process started (or was taken) for this run
         self._load_began: float | None = None
         self._worker: Any = None
-        self._section = components.model_section(cfg, self.COMPONENT)
-        """The config section of the model its worker loads (None: none)."""
-        self._cuda = getattr(getattr(cfg, "cluster", None), "accelerator", None) == "cuda"
-        """Whether the run is on GPUs (read leniently: test_group's stand-in configs)."""
-        self._head = HeadStart(cfg, f"{self.COMPONENT}:{rank}", self._section, self._cuda)
+        # Read leniently: test_group's stand-in workers take settings of their own.
+        self._model = getattr(settings, "model", None)
+        """The model its worker loads (None: none)."""
+        self._cuda = getattr(settings, "accelerator", None) == "cuda"
+        """Whether the run is on GPUs."""
+        root = getattr(settings, "compile_cache_root", None)
+        self._head = HeadStart(root, f"{self.COMPONENT}:{rank}", self._model, self._cuda)
         """Its head start (run/head_start.py): imports ahead, the compiler's cache."""
 
     def _class(self) -> type:
@@ -113,7 +116,7 @@ class ComponentHost:
         memory, and on a GPU the peaks PyTorch saw where its worker runs a model."""
         from rlinf_twoworker.workers.process import process_memory
 
-        return process_memory(gpu=self._cuda and self._section is not None)
+        return process_memory(gpu=self._cuda and self._model is not None)
 
     def attach_log(self, path: str) -> None:
         """runner.per_worker_log: this process also logs to `path`."""
@@ -130,14 +133,13 @@ class ComponentHost:
     def save_compile_cache(self) -> dict[str, Any]:
         return self._head.save()
 
-    def load(self, cfg: GRPOConfig | None = None) -> dict[str, Any]:
-        """Build the worker, with `cfg` when given: the config as the run's memory plan settled
-        it (activation recompute, offload, micro-batch tokens), which the process, started
+    def load(self, settings: Any = None) -> dict[str, Any]:
+        """Build the worker, with `settings` when given: as the run's memory plan settled them
+        (activation recompute, offload, micro-batch tokens), which the process, started
         beside the preflight, was not made with."""
         self._load_began = time.time()
-        if cfg is not None:
-            self._args = (cfg, self._args[1])
-            self._head.cfg = cfg
+        if settings is not None:
+            self._args = (settings, self._args[1])
         self._worker = self._class()(*self._args)
         return self.where()
 
@@ -273,7 +275,8 @@ class ComponentGroup:
             host = taken.hosts.get((slot.component, slot.rank)) if taken and kept else None
             if host is not None:
                 # Before any other call of this run (Ray keeps one caller's calls in order).
-                getattr(host, method_name(Process.rebind)).remote(self.cfg, slot.rank)
+                rebind = getattr(host, method_name(Process.rebind))
+                rebind.remote(entry.settings_for(self.cfg), slot.rank)
                 handle = host
             else:
                 handle = self._new_process(slot, worker, entry, kept)
@@ -299,7 +302,8 @@ class ComponentGroup:
             max_restarts=0,
             **options,
         )
-        return remote.remote(self.cfg, slot.rank, self.run_id if kept else None)
+        settings = entry.settings_for(self.cfg)
+        return remote.remote(settings, slot.rank, self.run_id if kept else None)
 
     def bundles_with_gpus(self) -> frozenset[int]:
         """The bundles where a member holds a GPU share (where its process sees the GPU)."""
@@ -338,13 +342,19 @@ class ComponentGroup:
         }
 
     async def load(self) -> None:
-        """Every member's model load (its class's constructor), all at once, with the run's
-        config as it is now (the memory plan's choices in it); each member goes to
-        `on_loaded` as soon as its load is done, while the others still load."""
+        """Every member's model load (its class's constructor), all at once, with its
+        component's settings under the run's config as it is now (the memory plan's choices
+        in it); each member goes to `on_loaded` as soon as its load is done, while the others
+        still load."""
+        settings = {name: entry.settings_for(self.cfg) for name, entry in self.table.items()}
 
         async def loaded(member: Member) -> dict[str, Any]:
             where = await self.call(
-                member, Process.load, self.cfg, timeout=self.timeouts.actor_start_s, stage="start"
+                member,
+                Process.load,
+                settings[member.slot.component],
+                timeout=self.timeouts.actor_start_s,
+                stage="start",
             )
             member.ready_at = time.time()
             for hook in self.on_loaded:

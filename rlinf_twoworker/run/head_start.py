@@ -106,11 +106,11 @@ async def _answers(calls: list[tuple[Member, asyncio.Future]]) -> list[tuple[Mem
 
 class HeadStart:
     """The head start of one component process (`who`: 'component:rank'), given its host's
-    facts: `section`, the config section of the model its worker loads (None: none), and
-    whether it runs on a GPU (`cuda`)."""
+    facts: the compile cache's `root` (None: off), the `model` its worker loads (a
+    config.ModelConfig; None: none), and whether it runs on a GPU (`cuda`)."""
 
-    def __init__(self, cfg: Any, who: str, section: Any | None, cuda: bool) -> None:
-        self.cfg, self.who, self.section, self.cuda = cfg, who, section, cuda
+    def __init__(self, root: Any, who: str, model: Any | None, cuda: bool) -> None:
+        self.root, self.who, self.model, self.cuda = root, who, model, cuda
         self.component = who.split(":")[0]
         self.compiler_imports: threading.Thread | None = None
         """The thread importing COMPILER_MODULES (GPUs; started by `import_ahead`)."""
@@ -120,7 +120,7 @@ class HeadStart:
 
     @property
     def _model_path(self) -> str | None:
-        return getattr(getattr(self.section, "model", None), "model_path", None)
+        return getattr(self.model, "model_path", None)
 
     def import_ahead(self, worker_class: Any) -> dict[str, Any]:
         """Import the worker's module (`worker_class()`, which imports it) and what its model
@@ -130,7 +130,7 @@ class HeadStart:
         start = time.perf_counter()
         cache = bytecode.for_this_process()
         # Where the environment keeps no bytecode, the compile cache keeps it (bytecode.py).
-        cache.use(getattr(self.cfg, "compile_cache_root", None), self.who)
+        cache.use(self.root, self.who)
         missing: list[str] = []
         with bytecode.bulk_imports():  # no cyclic collection while torch and the model import
             cache.guarded(worker_class, self.who)  # the worker's module: torch, the engines
@@ -154,15 +154,15 @@ class HeadStart:
         """On GPUs, once the model is loaded: torch.compile's imports done and this
         component's compile-cache entry loaded, before it compiles. Returns its seconds by
         part and its cache lines (none on a CPU, or a second time)."""
-        path = self._model_path
-        if not self.cuda or self.cache is not None or path is None:
+        model, path = self.model, self._model_path
+        if not self.cuda or self.cache is not None or model is None or path is None:
             return {"seconds": {}, "cache": []}
         start = time.perf_counter()
         if self.compiler_imports is not None:  # usually done by now
             self.compiler_imports.join()
         import_compiler()
         imported = time.perf_counter()
-        self.cache = _cache_entry(self.cfg.compile_cache_root, self.component, self.section, path)
+        self.cache = _cache_entry(self.root, self.component, model.precision, path)
         event = self.cache.load()
         return {
             "seconds": {
@@ -186,9 +186,9 @@ class HeadStart:
         }
 
 
-def _cache_entry(root: Any, component: str, section: Any, path: str) -> Any:
+def _cache_entry(root: Any, component: str, precision: str, path: str) -> Any:
     """The compile-cache entry under `root` of `component` for the model at `path`, in the
-    dtype (its `section`'s precision) and on the GPU its worker loads it with
+    dtype (`precision`) and on the GPU its worker loads it with
     (compile_cache.cache_key); `prepare` asks for it on GPUs only."""
     from transformers import AutoConfig
 
@@ -197,5 +197,5 @@ def _cache_entry(root: Any, component: str, section: Any, path: str) -> Any:
 
     device = device_for("cuda")
     config = AutoConfig.from_pretrained(path).to_dict()
-    key = cache_key(config, dtype_for(section.model.precision, device), device)
+    key = cache_key(config, dtype_for(precision, device), device)
     return CompileCache(root, component, key)

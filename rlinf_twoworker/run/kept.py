@@ -143,9 +143,14 @@ def free_claimed(run_id: str) -> None:
 
 def release_kept() -> int:
     """Free every idle kept group of the connected cluster (their processes die with them);
-    returns how many. Groups that a run holds are left to it."""
+    returns how many (0 where this process is not connected to a cluster). Groups that a run
+    holds are left to it."""
+    import ray
+
     from rlinf_twoworker.cluster.placement import wait_removed
 
+    if not ray.is_initialized():
+        return 0
     freed = 0
     for pg, _ in _kept_groups():
         if _claim(pg, f"release-{id(pg)}"):

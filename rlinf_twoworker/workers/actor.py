@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from rlinf_twoworker.algorithm import PolicyLoss, ppo_loss
-from rlinf_twoworker.config import AlgorithmConfig, GRPOConfig, MixedPrecision
+from rlinf_twoworker.config import AlgorithmConfig, MixedPrecision, OptimConfig
+from rlinf_twoworker.config.settings import ActorSettings
 from rlinf_twoworker.engines import staging
 from rlinf_twoworker.engines.grad_scaler import (
     adamw,
@@ -45,12 +46,6 @@ from rlinf_twoworker.workers.base import Worker
 T = TypeVar("T")
 
 
-def micro_batches(cfg: GRPOConfig, rows: int, width: int) -> list[slice]:
-    """Row slices of one rank's minibatch of `width`-token rows (GRPOConfig.micro_batch_rows)."""
-    size = cfg.micro_batch_rows(True, width)
-    return [slice(begin, begin + size) for begin in range(0, rows, size)]
-
-
 def policy_loss_settings(algo: AlgorithmConfig) -> PolicyLoss:
     return PolicyLoss(
         clip_low=algo.clip_low,
@@ -64,14 +59,14 @@ def policy_loss_settings(algo: AlgorithmConfig) -> PolicyLoss:
     )
 
 
-def total_optimizer_steps(cfg: GRPOConfig) -> int:
+def total_optimizer_steps(optim: OptimConfig) -> int:
     """The lr schedule's length: actor.optim.total_training_steps, 0 when unset, as RLinf's
     FSDP actor takes it (`optim_config.get("total_training_steps", 0)`), never derived from
     the run's steps."""
-    return cfg.actor.optim.total_training_steps or 0
+    return optim.total_training_steps or 0
 
 
-def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: GRPOConfig) -> Any:
+def lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig) -> Any:
     """RLinf's FSDP schedule (actor.optim.lr_scheduler), from transformers: a linear warm-up
     from 0 over lr_warmup_steps (or lr_warmup_steps_ratio x the total), then constant or a
     cosine to min_lr / min_lr_rate."""
@@ -80,8 +75,7 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, cfg: GRPOConfig) -> Any:
         get_cosine_with_min_lr_schedule_with_warmup,
     )
 
-    optim = cfg.actor.optim
-    total = total_optimizer_steps(cfg)
+    total = total_optimizer_steps(optim)
     warmup = optim.lr_warmup_steps
     if warmup < 0:
         warmup = int(optim.lr_warmup_steps_ratio * total)
@@ -207,8 +201,9 @@ def _cast_buffers(model: torch.nn.Module, dtype: torch.dtype | None) -> None:
 class ActorWorker(Worker):
     """One FSDP2 rank of the policy being trained."""
 
-    def __init__(self, cfg: GRPOConfig, rank: int) -> None:
-        super().__init__(cfg, "actor", rank)
+    def __init__(self, settings: ActorSettings, rank: int) -> None:
+        super().__init__(settings, "actor", rank)
+        self.settings: ActorSettings = settings
         self.model: Any = None
         self.optimizer: Any = None
         self.scheduler: Any = None
@@ -221,14 +216,14 @@ class ActorWorker(Worker):
         self.compute_dtype: torch.dtype | None = None  # unwrapped: param_dtype (`computing_in`)
         # Loaded now, while the other components load theirs; sharded by `build`, which needs
         # the actor group.
-        self.dtype = dtype_for(cfg.actor.model.precision, self.device)
-        self._unsharded: Any = self.load_model(cfg.actor.model.model_path, self.dtype)
+        self.dtype = dtype_for(settings.actor.model.precision, self.device)
+        self._unsharded: Any = self.load_model(settings.actor.model.model_path, self.dtype)
 
     def build(self) -> None:
         """Load, shard and set up the optimiser (after `join`, which makes the actor group)."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        cfg = self.cfg
+        cfg = self.settings
         model, self._unsharded = self._unsharded, None
         if model is None:  # built once already
             model = self.load_model(cfg.actor.model.model_path, self.dtype)
@@ -255,7 +250,7 @@ class ActorWorker(Worker):
             self.compute_dtype = _dtype(precision.param_dtype) if precision else None
         self.model = model
         self.optimizer = adamw(model.parameters(), cfg.actor.optim, self.device.type == "cuda")
-        self.scheduler = lr_scheduler(self.optimizer, cfg)
+        self.scheduler = lr_scheduler(self.optimizer, cfg.actor.optim)
         self.scaler = build_grad_scaler(
             cfg.actor.fsdp_config.grad_scaler, self.device, self.actor_group
         )
@@ -269,10 +264,10 @@ class ActorWorker(Worker):
     def _start_staging(self) -> staging.StagingBuffers | None:
         """runner.checkpoint_staging: host buffers for this rank's checkpoint shard, allocated
         in a thread from now on (while step 1 runs); None where it does not apply."""
-        cfg = self.cfg
-        if not cfg.runner.checkpoint_staging or self.device.type != "cuda":
+        cfg = self.settings
+        if not cfg.checkpoint_staging or self.device.type != "cuda":
             return None
-        if cfg.offloads or cfg.runner.save_interval <= 0:
+        if cfg.offloads or cfg.save_interval <= 0:
             return None  # the state lives in CPU memory already / nothing to write
         import psutil
 
@@ -317,11 +312,12 @@ class ActorWorker(Worker):
         """Add the gradient of sum(weights * per-token loss) over the shard to the parameters'
         .grad, one compute micro-batch at a time (any cut gives the same gradient). Returns the
         weighted metric sums and [ratio max, log-prob difference max], on the device."""
-        algo, world = self.cfg.algorithm, dist.get_world_size(self.actor_group)
+        algo, world = self.settings.algorithm, dist.get_world_size(self.actor_group)
         settings = policy_loss_settings(algo)
         sums: dict[str, torch.Tensor] = {}  # weighted metric sums, kept on the device
         maxes = torch.zeros(2, device=self.device)
-        for rows in micro_batches(self.cfg, len(shard), shard.batch.input_ids.shape[1]):
+        cut = self.settings.micro_batch
+        for rows in cut.slices(len(shard), shard.batch.input_ids.shape[1]):
             part = shard.batch.rows(rows).to(self.device)
             with computing_in(self.model, self.compute_dtype):
                 logprobs, entropy = self._logprobs(part)
@@ -351,11 +347,11 @@ class ActorWorker(Worker):
         return sums, maxes
 
     def _logprobs(self, part: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        algo = self.cfg.algorithm
+        algo = self.settings.algorithm
         out = response_logprobs(
             self.model,
             part,
-            self.cfg.runner.trim_padding_multiple,
+            self.settings.trim_padding_multiple,
             self.compiled,
             algo.sampling_params.temperature,
             with_entropy=algo.calculate_entropy,
@@ -371,7 +367,7 @@ class ActorWorker(Worker):
         the optimiser step is skipped (with a warning) and the loss scale lowered. The lr
         schedule steps either way."""
         self.lr_used = self.optimizer.param_groups[0]["lr"]
-        clip = self.cfg.actor.optim.clip_grad
+        clip = self.settings.actor.optim.clip_grad
         grad_norm, stepped = clip_and_step(self.model, self.optimizer, self.scaler, clip)
         scale = loss_scale(self.scaler)
         if not stepped and scale is not None:
@@ -437,12 +433,12 @@ class ActorWorker(Worker):
         """One GRPO update: one optimiser step per minibatch shard given to this rank. Means
         over the minibatches (RLinf logs each minibatch; a step's value is their mean)."""
         start = time.perf_counter()
-        if self.cfg.offloads:  # the offloads' collections then walk only what a step makes
+        if self.settings.offloads:  # the offloads' collections then walk only what a step makes
             settle_heap()
         self.offloader.load()  # back from CPU memory when offloaded
         self.model.train()
         results = [self._minibatch_or_eager(s, i == 0) for i, s in enumerate(shards)]
-        if self.cfg.offloads:  # as RLinf: the optimiser state leaves before the sync
+        if self.settings.offloads:  # as RLinf: the optimiser state leaves before the sync
             self.offloader.offload_optimizer()
         metrics = step_metrics(results)
         metrics["offload_seconds"] = self.offloader.take_seconds()
@@ -564,7 +560,7 @@ class ActorWorker(Worker):
                 # Several files a rank, written at once: storage that limits each stream
                 # (network file systems) takes them several times faster than one.
                 writer = dcp.FileSystemWriter(
-                    path, thread_count=self.cfg.runner.checkpoint_write_threads
+                    path, thread_count=self.settings.checkpoint_write_threads
                 )
                 dcp.save(state, storage_writer=writer, process_group=self.actor_group)
             except BaseException as exc:  # DCP's CheckpointException is a BaseException

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.config.settings import ProcessSettings
 from rlinf_twoworker.engines import compile_cache, offload, weight_sync
 from rlinf_twoworker.engines.models import device_for, load_causal_lm
 from rlinf_twoworker.engines.weight_sync import SyncGroups, new_sync_groups
@@ -44,16 +44,16 @@ class Worker:
 
     model: Any
 
-    def __init__(self, cfg: GRPOConfig, component: str, rank: int) -> None:
+    def __init__(self, settings: ProcessSettings, component: str, rank: int) -> None:
         self.began = time.time()  # the process started and imported its worker module
-        self.cfg, self.component, self.rank = cfg, component, rank
-        self.device = device_for(cfg.cluster.accelerator)
+        self.settings, self.component, self.rank = settings, component, rank
+        self.device = device_for(settings.accelerator)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.actor_group: Any = None
         self._sync: SyncGroups | None = None
         self.startup: dict[str, float] = {}
         """Seconds of this process's start-up parts (model load), for the run's log."""
-        torch.manual_seed(cfg.actor.seed + rank)
+        torch.manual_seed(settings.seed + rank)
 
     def load_model(self, path: str, dtype: torch.dtype) -> Any:
         """Load the model (timed: startup['load'])."""
@@ -103,7 +103,7 @@ class Worker:
         """Join the run's world process group and create the sub-groups (same order everywhere)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        timeout = datetime.timedelta(seconds=self.cfg.runner.timeouts.collective_s)
+        timeout = datetime.timedelta(seconds=self.settings.collective_timeout_s)
         if master[0].startswith("127."):
             # Keep collectives on loopback when the whole cluster lives on one host.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

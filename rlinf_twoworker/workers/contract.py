@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # annotations only
     from rlinf_twoworker import messages
-    from rlinf_twoworker.config import GRPOConfig
     from rlinf_twoworker.engines.models import SequenceBatch
 
 
@@ -41,8 +40,9 @@ class Process(Protocol):
         """Import the worker's module and what its load will; its seconds and bytecode lines."""
         ...
 
-    def load(self, cfg: GRPOConfig | None = None) -> dict[str, Any]:
-        """Build the worker (its model load) with the settled config; answers `where`."""
+    def load(self, settings: Any = None) -> dict[str, Any]:
+        """Build the worker (its model load) with its settings under the settled config
+        (config/settings.py); answers `where`."""
         ...
 
     def ping(self) -> bool:
@@ -63,9 +63,9 @@ class Process(Protocol):
         """Save what it compiled since the last save: 'cache' (lines to log), 'compile_s'."""
         ...
 
-    def rebind(self, cfg: GRPOConfig, rank: int) -> None:
-        """Take a run's config: a kept process's first call of each later run
-        (cluster.keep_processes, run/kept.py)."""
+    def rebind(self, settings: Any, rank: int) -> None:
+        """Take a run's settings for its component: a kept process's first call of each later
+        run (cluster.keep_processes, run/kept.py)."""
         ...
 
     def unload(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.config.settings import InferenceSettings
 from rlinf_twoworker.engines import offload
 from rlinf_twoworker.engines.models import (
     SequenceBatch,
@@ -30,20 +30,18 @@ class InferenceWorker(PolicyCopy):
 
     def __init__(
         self,
-        cfg: GRPOConfig,
+        settings: InferenceSettings,
         rank: int = 0,
         component: str = "inference",
-        model_path: str | None = None,
     ) -> None:
-        super().__init__(cfg, component, rank)
-        self.dtype = dtype_for(cfg.inference.model.precision, self.device)
-        path = model_path or cfg.inference.model.model_path
-        self.model = self.load_model(path, self.dtype).eval()
+        super().__init__(settings, component, rank)
+        self.settings: InferenceSettings = settings
+        self.dtype = dtype_for(settings.model.precision, self.device)
+        self.model = self.load_model(settings.model.model_path, self.dtype).eval()
         # The actor's kernels: its decoder layers and log-softmax are compiled on GPUs (with
         # actor.compile), so by default the old log-probs are computed the same way as the new
         # ones and the first minibatch's ratio is 1 up to rounding.
-        wanted = cfg.actor.compile if cfg.inference.compile is None else cfg.inference.compile
-        self.fused = self.device.type == "cuda" and wanted
+        self.fused = self.device.type == "cuda" and settings.compile
         self._layers_compiled = False  # on the first compute: the compiler's imports take seconds
 
     @torch.no_grad()
@@ -73,12 +71,11 @@ class InferenceWorker(PolicyCopy):
         self.fused = False
 
     def _logprobs(self, batch: SequenceBatch) -> torch.Tensor:
-        micro = self.cfg.micro_batch_rows(False, batch.input_ids.shape[1])
-        trim = self.cfg.runner.trim_padding_multiple
+        settings = self.settings
+        trim, temperature = settings.trim_padding_multiple, settings.temperature
         parts = []
-        for begin in range(0, len(batch), micro):
-            rows = batch.rows(slice(begin, begin + micro)).to(self.device)
-            temperature = self.cfg.algorithm.sampling_params.temperature
+        for cut in settings.micro_batch.slices(len(batch), batch.input_ids.shape[1]):
+            rows = batch.rows(cut).to(self.device)
             logprobs = response_logprobs(self.model, rows, trim, self.fused, temperature)
             parts.append(logprobs.cpu())
         return torch.cat(parts) * batch.response_mask

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.config.settings import InferenceSettings
 from rlinf_twoworker.workers.inference import InferenceWorker
 
 
 class ReferenceWorker(InferenceWorker):
     """Log-probs of every answer token under the initial policy."""
 
-    def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
-        super().__init__(cfg, rank, "reference", cfg.actor.model.model_path)
+    def __init__(self, settings: InferenceSettings, rank: int = 0) -> None:
+        """`settings.model`: the actor's initial weights (config/settings.reference_settings)."""
+        super().__init__(settings, rank, "reference")
 
 
 # For mypy: ReferenceWorker is what the run asks of the reference (workers/contract.py).

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
-from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.config.settings import RewardSettings
 from rlinf_twoworker.errors import ConfigError, TwoWorkerError
 from rlinf_twoworker.rewards.graders import (
     GRADERS,
@@ -556,13 +556,15 @@ class RewardWorker:
     """Math grading (or reward.reward_fn) as a component; grading runs off the actor's event
     loop."""
 
-    def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
+    def __init__(self, settings: RewardSettings, rank: int = 0) -> None:
         self.began = time.time()  # the process started and imported its worker module
+        self.settings = settings
+        reward = settings.reward
         self.grader = MathReward(
-            cfg.reward.reward_scale,
-            cfg.reward.timeout_s,
-            grader=GRADERS[cfg.reward.grader],
-            reward_fn=cfg.reward.reward_fn,
+            reward.reward_scale,
+            reward.timeout_s,
+            grader=GRADERS[reward.grader],
+            reward_fn=reward.reward_fn,
         )
         self.rank = rank
 

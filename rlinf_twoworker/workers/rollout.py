@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.config.settings import RolloutSettings
 from rlinf_twoworker.engines import offload
 from rlinf_twoworker.engines.models import SequenceBatch, dtype_for, load_tokenizer
 from rlinf_twoworker.engines.rollout_engine import SamplingSettings, choose_engine
@@ -46,27 +46,28 @@ def response_mask(responses: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
 class RolloutWorker(PolicyCopy):
     """Holds a copy of the policy and generates answers for a batch of prompts."""
 
-    def __init__(self, cfg: GRPOConfig, rank: int = 0) -> None:
-        super().__init__(cfg, "rollout", rank)
-        self.dtype = dtype_for(cfg.rollout.model.precision, self.device)
+    def __init__(self, settings: RolloutSettings, rank: int = 0) -> None:
+        super().__init__(settings, "rollout", rank)
+        self.settings: RolloutSettings = settings
+        self.dtype = dtype_for(settings.model.precision, self.device)
         start = time.perf_counter()
-        self.tokenizer = load_tokenizer(cfg.tokenizer_path)
+        self.tokenizer = load_tokenizer(settings.tokenizer_path)
         self.startup["tokenizer"] = time.perf_counter() - start
-        self.model = self.load_model(cfg.rollout.model.model_path, self.dtype).eval()
+        self.model = self.load_model(settings.model.model_path, self.dtype).eval()
         eos = self.tokenizer.eos_token_id
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         eos_ids = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos_ids = sorted({i for i in [eos, *eos_ids] if i is not None})
         # Prompts are cut to max_prompt_length, so every sampler is built for this length.
-        max_len = cfg.data.max_prompt_length + cfg.max_new_tokens
-        where = f"rollout rank {rank}, model {cfg.rollout.model.model_path}"
+        max_len = settings.max_prompt_length + settings.max_new_tokens
+        where = f"rollout rank {rank}, model {settings.model.model_path}"
         start = time.perf_counter()
         self.engine = choose_engine(
-            cfg.rollout.engine,
+            settings.engine.engine,
             self.model,
             max_len,
             where,
-            max_batch_size=cfg.rollout.max_batch_size,
+            max_batch_size=settings.engine.max_batch_size,
         )
         self.startup["engine"] = time.perf_counter() - start
 
@@ -94,7 +95,7 @@ class RolloutWorker(PolicyCopy):
         """The sampling settings for either engine, every one passed explicitly: generate()
         would otherwise take it from the model's generation_config (Qwen2.5-Instruct's sets
         repetition_penalty=1.05, which the static engine would not apply)."""
-        params = self.cfg.algorithm.sampling_params
+        params = self.settings.sampling
         vocab = self.model.config.vocab_size
         top_k = params.top_k if 0 < params.top_k < vocab else None
         return {
@@ -103,7 +104,7 @@ class RolloutWorker(PolicyCopy):
             "top_p": params.top_p,
             "top_k": top_k,
             "repetition_penalty": params.repetition_penalty,
-            "max_new_tokens": self.cfg.max_new_tokens,
+            "max_new_tokens": self.settings.max_new_tokens,
         }
 
     @torch.no_grad()
@@ -111,16 +112,16 @@ class RolloutWorker(PolicyCopy):
         """Answers for each prompt, `group_size` rows per prompt, contiguous per group."""
         start = time.perf_counter()
         offload.require_weights(self.model, f"rollout rank {self.rank}")
-        group = self.cfg.algorithm.group_size
+        group = self.settings.group_size
         rows = [p for p in prompts for _ in range(group)]
         pad_id = self.tokenizer.pad_token_id
         # A fixed prompt width keeps the static sampler's shapes (and its CUDA graph) constant.
-        width = self.cfg.data.max_prompt_length if self.engine.fixed_prompt_width else None
+        width = self.settings.max_prompt_length if self.engine.fixed_prompt_width else None
         ids, mask = left_pad(rows, pad_id, width)
         torch.manual_seed(seed)
         outputs = []
         # A continuous engine bounds its own batch (decode slots) and refills it as answers end.
-        chunk = len(rows) if self.engine.continuous else self.cfg.rollout.max_batch_size
+        chunk = len(rows) if self.engine.continuous else self.settings.engine.max_batch_size
         for begin in range(0, len(rows), chunk):
             part = slice(begin, begin + chunk)
             outputs.append(self._generate_chunk(ids[part], mask[part], pad_id))

@@ -51,12 +51,12 @@ def inputs(demo_inputs):
 class HangingReward(RewardWorker):
     """Grades with hanging_grader: its grading processes are busy when the test kills it."""
 
-    def __init__(self, cfg, rank=0):  # type: ignore[no-untyped-def]
-        super().__init__(cfg, rank)
+    def __init__(self, settings, rank=0):  # type: ignore[no-untyped-def]
+        super().__init__(settings, rank)
         sys.path.insert(0, str(GRADERS))
         from hanging_grader import grade  # type: ignore[import-not-found]
 
-        self.grader = MathReward(cfg.reward.reward_scale, 600.0, grader=grade)
+        self.grader = MathReward(settings.reward.reward_scale, 600.0, grader=grade)
 
 
 # ---- helpers ---------------------------------------------------------------------------------

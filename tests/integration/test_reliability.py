@@ -66,6 +66,14 @@ def marker(run_id: str, what: str) -> Path:
     return MARKERS / f"{run_id}.{what}"
 
 
+def this_run() -> str:
+    """The RUN_ID of the run whose component process this is: its Ray actor's name leads with
+    it (`<run_id>-<8 hex>:<component>:<rank>`, cluster/connect.ray_name). A component's
+    settings hold only what its work reads, not the run's name."""
+    name = ray.get_runtime_context().get_actor_name()
+    return name.split(":")[0][: -len("-12345678")]
+
+
 class StallingActor(ActorWorker):
     """From the second step's update on, the ranks in `stall_ranks` leave a marker and sleep
     instead of training; a rank that does not stall enters the update's collectives and waits
@@ -75,8 +83,8 @@ class StallingActor(ActorWorker):
 
     def train_step(self, shards):
         self.minibatches = getattr(self, "minibatches", 0) + len(shards)
-        run_id = self.cfg.runner.experiment_name
-        if self.minibatches > self.cfg.algorithm.n_minibatches:
+        run_id = this_run()
+        if self.minibatches > self.settings.algorithm.n_minibatches:
             marker(run_id, f"actor{self.rank}.entered").touch()
             if self.rank in self.stall_ranks:
                 marker(run_id, f"actor{self.rank}.stalled").touch()
@@ -111,7 +119,7 @@ class OutOfMemoryActor(ActorWorker):
 
     def train_step(self, shards):
         self.minibatches = getattr(self, "minibatches", 0) + len(shards)
-        if self.minibatches > self.cfg.algorithm.n_minibatches:
+        if self.minibatches > self.settings.algorithm.n_minibatches:
             import torch
 
             torch.empty(2**48, dtype=torch.uint8)
@@ -123,7 +131,7 @@ class GatedRollout(RolloutWorker):
 
     def generate(self, *args, **kwargs):
         self.calls = getattr(self, "calls", 0) + 1
-        gate = marker(self.cfg.runner.experiment_name, "gate")
+        gate = marker(this_run(), "gate")
         deadline = time.monotonic() + TIMEOUT
         while self.calls == 3 and not gate.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -664,9 +672,7 @@ def test_two_runs_side_by_side_with_one_run_id_do_not_interfere(cluster_2x2, inp
 def test_removed_node_fails_the_run_within_the_detection_bound(cluster_2x2, inputs, tmp_path):
     """A third node joins; the second node's GPUs are held, so the run's actors land on the new
     node; that node is then killed (all its processes, no graceful drain)."""
-    cluster = cluster_2x2._cluster
-    node = cluster.add_node(**cluster_2x2._node_args(2))
-    cluster.wait_for_nodes()
+    node_id = cluster_2x2.add_node()
     blocker = placement_group([{"GPU": 2, "local_node_1": 0.01}], name="blocker")
     removed = False
     try:
@@ -675,23 +681,21 @@ def test_removed_node_fails_the_run_within_the_detection_bound(cluster_2x2, inpu
         cfg = demo_config(inputs, tmp_path, run_id, ["runner.max_steps=3"])
         handle = run_grpo_two_worker(cfg, component_classes={"actor": StallingActor})
         wait_markers(handle, marker(run_id, "actor0.stalled"), marker(run_id, "actor1.stalled"))
-        assert {r["node_id"] for r in handle.topology() if r["component"] == "actor"} == {
-            node.node_id
-        }
+        assert {r["node_id"] for r in handle.topology() if r["component"] == "actor"} == {node_id}
 
         removed_at = time.monotonic()
-        cluster.remove_node(node, allow_graceful=False)
+        cluster_2x2.remove_node(node_id, graceful=False)
         removed = True
         with pytest.raises(ComponentError) as failed:
             handle.result(timeout=bound_of(handle))
         assert time.monotonic() - removed_at < bound_of(handle)
-        assert failed.value.component == "actor" and node.node_id[:8] in failed.value.node
+        assert failed.value.component == "actor" and node_id[:8] in failed.value.node
         assert json.loads((tmp_path / run_id / "failure.json").read_text())["component"] == "actor"
         assert_released(run_id)
     finally:
         wait_removed(blocker)
         if not removed:
-            cluster.remove_node(node)
+            cluster_2x2.remove_node(node_id)
 
 
 class SlowProbe(NodeProbe):

@@ -168,7 +168,7 @@ class ExportBreakingActor(ActorWorker):
 
     def save_checkpoint(self, path: str):  # type: ignore[no-untyped-def]
         answer = super().save_checkpoint(path)
-        config = Path(self.cfg.actor.model.model_path) / "config.json"
+        config = Path(self.settings.model.model_path) / "config.json"
         if self.rank == 0 and "global_step_1" in path:
             config.rename(config.with_name("config.json.hidden"))
         return answer

@@ -117,7 +117,7 @@ class FailingOnceActor(ActorWorker):
 
     def train_step(self, shards):
         self.minibatches = getattr(self, "minibatches", 0) + len(shards)
-        if self.minibatches > self.cfg.algorithm.n_minibatches and not FAILED_ONCE.exists():
+        if self.minibatches > self.settings.algorithm.n_minibatches and not FAILED_ONCE.exists():
             FAILED_ONCE.touch()
             raise RuntimeError("injected failure in step 2's update (first attempt only)")
         return super().train_step(shards)

@@ -15,7 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from rlinf_twoworker.api.demo import demo_config, make_inputs
-from rlinf_twoworker.config import MixedPrecision, to_typed
+from rlinf_twoworker.config import GRPOConfig, MixedPrecision, to_typed
+from rlinf_twoworker.config.settings import actor_settings
 from rlinf_twoworker.engines.models import (
     DTYPES,
     SequenceBatch,
@@ -30,7 +31,6 @@ from rlinf_twoworker.workers.actor import (
     ActorWorker,
     computing_in,
     lr_scheduler,
-    micro_batches,
     prepare_for_training,
     prepare_unwrapped,
 )
@@ -115,12 +115,21 @@ ONE_MINIBATCH = [
 ]
 
 
-def _built_actor(world, run_id: str, overrides: list[str] | None = None) -> ActorWorker:
+class _Actor(ActorWorker):
+    """An actor rank with the run's whole config beside its own settings: the tests make its
+    shards from it, as the controller does."""
+
+    def __init__(self, cfg: GRPOConfig) -> None:
+        super().__init__(actor_settings(cfg), 0)
+        self.run_cfg = cfg
+
+
+def _built_actor(world, run_id: str, overrides: list[str] | None = None) -> _Actor:
     """A built rank-0 actor of the one-rank world, on the demo's config with ONE_MINIBATCH and
     `overrides`."""
     inputs, root = world
     config = demo_config(inputs, str(root / "runs"), run_id, ONE_MINIBATCH + (overrides or []))
-    actor = ActorWorker(to_typed(config), 0)
+    actor = _Actor(to_typed(config))
     actor.actor_group = dist.group.WORLD
     actor.build()
     return actor
@@ -132,7 +141,7 @@ def _trained_actor(world, break_compiler: bool) -> tuple[dict, dict[str, torch.T
         for layer in actor.model.model.layers:
             layer.compile(backend=_broken_backend)
         actor.compiled = True
-    shard = _shard(actor.cfg)
+    shard = _shard(actor.run_cfg)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         metrics = actor.train_step([shard]).metrics
@@ -152,7 +161,7 @@ def test_a_compiler_failure_falls_back_to_eager_and_keeps_the_update(world):
 
 def _gradients(world, overrides: list[str], shard: ActorShard | None = None):
     actor = _built_actor(world, "grad", overrides)
-    shard = shard or _shard(actor.cfg)
+    shard = shard or _shard(actor.run_cfg)
     actor.optimizer.zero_grad(set_to_none=True)
     sums, _ = actor.accumulate(shard)
     grads = {n: full(p.grad).clone() for n, p in actor.model.named_parameters()}
@@ -166,7 +175,8 @@ def test_token_budget_micro_batches_give_the_one_row_gradient(world):
     inputs, root = world
     cfg = to_typed(demo_config(inputs, str(root / "runs"), "cut", []))
     width = shard.batch.input_ids.shape[1]
-    assert len(micro_batches(cfg, len(shard.batch.input_ids), width)) == 1  # the default cut
+    rows = len(shard.batch.input_ids)
+    assert len(cfg.micro_batch_rule(True).slices(rows, width)) == 1  # the default cut
     for cut in (
         [],  # the library's default: runner.micro_batch_tokens
         ["runner.enable_dynamic_batch_size=true", "runner.max_tokens_per_mbs=40"],
@@ -217,13 +227,13 @@ def test_the_compile_warm_up_leaves_the_training_untouched(world):
     update after it is the update without it (dropout on: the update draws random numbers)."""
     plain = _dropout_actor(world, "plain")
     torch.manual_seed(7)
-    expected = plain.train_step([_shard(plain.cfg)]).metrics
+    expected = plain.train_step([_shard(plain.run_cfg)]).metrics
     expected_params = {n: full(p.detach()).clone() for n, p in plain.model.named_parameters()}
 
     actor = _dropout_actor(world, "warmed")
-    batch, [shard] = warm_up_inputs(actor.cfg, ranks=1)
-    rows = actor.cfg.data.rollout_batch_size * actor.cfg.algorithm.group_size
-    assert tuple(batch.input_ids.shape) == (rows, actor.cfg.runner.seq_length)
+    batch, [shard] = warm_up_inputs(actor.run_cfg, ranks=1)
+    rows = actor.run_cfg.data.rollout_batch_size * actor.run_cfg.algorithm.group_size
+    assert tuple(batch.input_ids.shape) == (rows, actor.run_cfg.runner.seq_length)
     assert bool(batch.response_mask[0].all()) and not bool(batch.attention_mask.all())
     assert len(shard) == rows  # one minibatch, one rank
     before = {n: full(p.detach()).clone() for n, p in actor.model.named_parameters()}
@@ -236,7 +246,7 @@ def test_the_compile_warm_up_leaves_the_training_untouched(world):
     assert not actor.optimizer.state  # no optimiser step: AdamW made no moments
     for name, value in actor.model.named_parameters():
         assert torch.equal(full(value.detach()), before[name]), name
-    metrics = actor.train_step([_shard(actor.cfg)]).metrics
+    metrics = actor.train_step([_shard(actor.run_cfg)]).metrics
     timings = {"offload_seconds"}
     assert {k: v for k, v in metrics.items() if k not in timings} == {
         k: v for k, v in expected.items() if k not in timings
@@ -251,7 +261,7 @@ def test_lr_schedules_follow_rlinfs_fsdp_keys(world):
     def lrs(overrides: list[str], steps: int) -> list[float]:
         cfg = to_typed(demo_config(inputs, str(root / "runs"), "lr", overrides))
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.actor.optim.lr)
-        scheduler = lr_scheduler(optimizer, cfg)
+        scheduler = lr_scheduler(optimizer, cfg.actor.optim)
         out = []
         for _ in range(steps):
             out.append(optimizer.param_groups[0]["lr"])
@@ -291,7 +301,7 @@ def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(
     actor = _built_actor(world, "staging-test", WRAPPED if wrapped else [])
     assert actor.wrapped == wrapped
     assert actor.staging is None  # on GPUs only, where the copy sets the checkpoint's pace
-    actor.train_step([_shard(actor.cfg)])
+    actor.train_step([_shard(actor.run_cfg)])
     actor.staging = buffers = staging.for_model(actor.model, copies=3)
     # What the host-memory guard weighs: three fp32 copies of this rank's parameter shards.
     shards = sum(local(p).numel() * p.element_size() for p in actor.model.parameters())
@@ -432,7 +442,7 @@ def test_checkpoints_of_the_wrapped_and_the_unwrapped_rank_load_into_each_other(
     trained = {}
     for wrapped in (True, False):
         actor = _built_actor(world, f"cross-{wrapped}", WRAPPED if wrapped else [])
-        actor.train_step([_shard(actor.cfg)])
+        actor.train_step([_shard(actor.run_cfg)])
         actor.save_checkpoint(str(tmp_path / str(wrapped)))
         trained[wrapped] = actor
 
@@ -448,13 +458,13 @@ def test_checkpoints_of_the_wrapped_and_the_unwrapped_rank_load_into_each_other(
         source = trained[wrapped]
         target = _built_actor(world, f"cross-load-{wrapped}", [] if wrapped else WRAPPED)
         assert target.wrapped != wrapped
-        target.train_step([_shard(target.cfg)])  # AdamW's state exists: the load overwrites it
+        target.train_step([_shard(target.run_cfg)])  # AdamW's state exists: the load overwrites it
         target.load_checkpoint(str(tmp_path / str(wrapped)))
         expected, loaded = state(source), state(target)
         assert loaded.keys() == expected.keys()
         for name, tensor in expected.items():
             assert torch.equal(loaded[name], tensor), name
-        after = [a.train_step([_shard(a.cfg)]).metrics for a in (source, target)]
+        after = [a.train_step([_shard(a.run_cfg)]).metrics for a in (source, target)]
         assert after[1]["grad_norm"] == pytest.approx(after[0]["grad_norm"], rel=1e-5)
         for name, tensor in state(source).items():
             assert torch.allclose(state(target)[name], tensor, atol=1e-6), name

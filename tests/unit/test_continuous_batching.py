@@ -13,6 +13,7 @@ from support import tiny_lm
 
 from rlinf_twoworker.api.demo import demo_config, make_inputs
 from rlinf_twoworker.config import to_typed
+from rlinf_twoworker.config.settings import rollout_settings
 from rlinf_twoworker.engines.kv_memory import (
     HEADROOM,
     decode_bytes_per_slot,
@@ -288,7 +289,7 @@ def test_the_rollout_worker_hands_every_row_to_a_continuous_engine(tmp_path):
                 "algorithm.sampling_params.do_sample=false",
             ],
         )
-        worker = RolloutWorker(to_typed(cfg))
+        worker = RolloutWorker(rollout_settings(to_typed(cfg)))
         assert worker.engine.continuous is (engine == "static")
         prompts = [worker.tokenizer(t)["input_ids"] for t in ("1+2=", "Hi 7", "x", "12*3?")]
         batch_out = worker.generate(prompts, seed=0).batch

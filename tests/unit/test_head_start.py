@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from rlinf_twoworker import components
 from rlinf_twoworker.api.demo import demo_config, make_inputs
 from rlinf_twoworker.config import to_typed
 from rlinf_twoworker.engines.models import SequenceBatch
@@ -26,10 +27,11 @@ def test_a_process_without_its_head_start_computes_what_one_with_it_does(tmp_pat
     """The same inference process, once with the head start's calls (imports ahead, its
     preparation, the compile cache's save) and once with none of them: the same log-probs."""
     cfg = to_typed(demo_config(make_inputs(tmp_path / "inputs"), tmp_path, "plain", []))
+    settings = components.by_name("inference").settings_for(cfg)
     batch = _batch()
     answers = []
     for head_start in (True, False):
-        process = host_class(INFERENCE, "inference", False)(cfg, 0)
+        process = host_class(INFERENCE, "inference", False)(settings, 0)
         if head_start:
             ahead = process.import_ahead()
             assert ahead["missing"] == [] and ahead["seconds"] > 0

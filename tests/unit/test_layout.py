@@ -86,21 +86,42 @@ def test_the_components_are_listed_once():
     assert found == []
 
 
-def test_the_model_section_of_each_component_comes_from_its_row():
-    """components.model_section: the section whose model the component loads, from the table
-    (the reference loads the actor's initial weights; the reward loads none), and None for a
-    config that lacks the section, as the stand-in configs of the group's tests do."""
-    from types import SimpleNamespace
+def test_each_component_gets_its_own_settings_from_its_row():
+    """A worker is built from its row's settings (config/settings.py), not the run's config:
+    no settings object holds the config or a whole section other than its own; the model each
+    names is the one its worker loads (the reference: the actor's initial weights, in the
+    inference copy's precision; the reward: none); the cuts are the config's own rule."""
+    import dataclasses
+    import pickle
 
     from rlinf_twoworker import components
-    from rlinf_twoworker.config import GRPOConfig
+    from rlinf_twoworker.config import (
+        ClusterConfig,
+        DataConfig,
+        GRPOConfig,
+        InferenceConfig,
+        RunnerConfig,
+    )
+    from rlinf_twoworker.config.settings import ProcessSettings
 
     cfg = GRPOConfig()
-    for component in components.TABLE:
-        got = components.model_section(cfg, component.name)
-        want = None if component.model_section is None else getattr(cfg, component.model_section)
-        assert got is want, component.name
-    assert components.model_section(cfg, "reward") is None
-    assert components.model_section(cfg, "reference") is cfg.actor
-    assert components.model_section(SimpleNamespace(), "rollout") is None
-    assert components.model_section(cfg, "no-such-component") is None
+    settings = {row.name: row.settings_for(cfg) for row in components.TABLE}
+    whole = (GRPOConfig, RunnerConfig, DataConfig, ClusterConfig, InferenceConfig)
+    for name, made in settings.items():
+        assert isinstance(made, ProcessSettings), name
+        values = [getattr(made, f.name) for f in dataclasses.fields(made)]
+        assert not [v for v in values if isinstance(v, whole)], name
+        assert made.accelerator == cfg.cluster.accelerator and made.seed == cfg.actor.seed
+        pickle.dumps(made)  # sent to the component's process
+    assert settings["reward"].model is None and settings["reward"].reward is cfg.reward
+    assert settings["rollout"].model is cfg.rollout.model
+    assert settings["inference"].model is cfg.inference.model
+    assert settings["actor"].model is cfg.actor.model
+    reference = settings["reference"].model
+    assert reference.model_path == cfg.actor.model.model_path
+    assert reference.precision == cfg.inference.model.precision
+    for width in (1, 100, 2048, 10**6):
+        assert settings["actor"].micro_batch.rows(width) == cfg.micro_batch_rows(True, width)
+        assert settings["inference"].micro_batch.rows(width) == cfg.micro_batch_rows(False, width)
+    assert settings["rollout"].max_new_tokens == cfg.max_new_tokens
+    assert settings["actor"].offloads == cfg.offloads

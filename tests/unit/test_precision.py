@@ -27,6 +27,7 @@ from rlinf_twoworker.config import (
     precision_warning,
     to_typed,
 )
+from rlinf_twoworker.config.settings import actor_settings
 from rlinf_twoworker.engines.grad_scaler import adamw, build_grad_scaler, clip_and_step
 from rlinf_twoworker.engines.models import SequenceBatch, load_causal_lm, response_logprobs
 from rlinf_twoworker.engines.tensors import full
@@ -276,7 +277,7 @@ def _actor(world, run_id: str, overrides: list[str]) -> tuple[ActorWorker, objec
     inputs, root = world
     raw = demo_config(inputs, str(root / "runs"), run_id, ONE_MINIBATCH + overrides)
     cfg = to_typed(raw)
-    actor = ActorWorker(cfg, 0)
+    actor = ActorWorker(actor_settings(cfg), 0)
     actor.actor_group = dist.group.WORLD
     actor.build()
     return actor, cfg

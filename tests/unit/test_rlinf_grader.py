@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from support import RLINF_REF
 
-from rlinf_twoworker.config import load_config
+from rlinf_twoworker.config import load_config, to_typed
+from rlinf_twoworker.config.settings import reward_settings
 from rlinf_twoworker.errors import ConfigError
 from rlinf_twoworker.rewards import (
     GRADERS,
@@ -129,7 +130,7 @@ def test_reward_grader_selects_the_grader():
     expected = {"rlinf": [-5.0, 5.0], "math_verify": [5.0, -5.0]}
     for name, scores in expected.items():
         overrides = [] if name == "rlinf" else [f"reward.grader={name}"]
-        worker = RewardWorker(load_config(None, overrides))
+        worker = RewardWorker(reward_settings(to_typed(load_config(None, overrides))))
         try:
             assert worker.grader.grader is GRADERS[name]
             assert asyncio.run(worker.score(answers, solutions)).scores == scores

@@ -14,6 +14,7 @@ from support import tiny_lm
 
 from rlinf_twoworker.api.demo import build_tokenizer, demo_config, make_inputs
 from rlinf_twoworker.config import to_typed
+from rlinf_twoworker.config.settings import rollout_settings
 from rlinf_twoworker.engines.models import load_causal_lm, load_tokenizer
 from rlinf_twoworker.engines.static import (
     SamplingSettings,
@@ -358,7 +359,7 @@ def _rollout(demo, tmp_path, model_path, *overrides: str) -> RolloutWorker:
         "sampler-test",
         [f"rollout.model.model_path={json.dumps(str(model_path))}", *overrides],
     )
-    return RolloutWorker(to_typed(cfg))
+    return RolloutWorker(rollout_settings(to_typed(cfg)))
 
 
 def test_the_engine_falls_back_to_hf_on_a_sliding_window(demo, tmp_path, caplog):
