@@ -47,11 +47,11 @@ def test_a_component_process_answers_before_its_worker_is_built():
     assert report["seconds"] == {"load": 1.0}
 
 
-def test_a_worker_is_built_with_the_config_the_memory_plan_settled():
-    """The process starts with the config as requested (beside the preflight); the memory plan
-    then settles recompute, offload and micro-batch tokens in the run's config, and the worker
-    is built with that one (ComponentGroup.load passes it), not the one the process began
-    with."""
+def test_a_worker_is_built_with_the_settings_the_memory_plan_settled():
+    """The process starts with its settings under the config as requested (beside the
+    preflight); the memory plan then settles recompute, offload and micro-batch tokens in the
+    run's config, and the worker is built with its settings under that one (ComponentGroup.load
+    passes them), not the ones the process began with."""
     component = host_class(Loads, "actor")({"micro_batch_tokens": None}, 0)
     component.load({"micro_batch_tokens": 16384})
     assert component._worker.cfg == {"micro_batch_tokens": 16384}
@@ -125,10 +125,11 @@ def test_a_process_made_by_name_imports_its_worker_only_ahead_of_its_load(tmp_pa
         "import json, sys\n"
         "from omegaconf import OmegaConf\n"
         "from rlinf_twoworker.config import GRPOConfig, to_typed\n"
+        "from rlinf_twoworker.config.settings import rollout_settings\n"
         "from rlinf_twoworker.run.group import host_class\n"
         "cfg = to_typed(OmegaConf.merge(OmegaConf.structured(GRPOConfig), json.loads(sys.argv[1])))\n"
         "host = host_class('rlinf_twoworker.workers.rollout:RolloutWorker', 'rollout', False)\n"
-        "process = host(cfg, 0)\n"
+        "process = host(rollout_settings(cfg), 0)\n"
         "process.where()\n"
         "family = 'transformers.models.qwen2.modeling_qwen2'\n"
         "before = [m for m in ('torch', 'rlinf_twoworker.workers.rollout', family) if m in sys.modules]\n"
@@ -216,7 +217,8 @@ def test_import_ahead_leaves_the_compiler_to_a_thread_on_gpus_only(tmp_path):
         "from rlinf_twoworker.config import GRPOConfig, to_typed\n"
         "from rlinf_twoworker.run import head_start\n"
         "cfg = to_typed(OmegaConf.merge(OmegaConf.structured(GRPOConfig), json.loads(sys.argv[1])))\n"
-        "head = head_start.HeadStart(cfg, 'inference:0', cfg.inference, cfg.cluster.accelerator == 'cuda')\n"
+        "cuda = cfg.cluster.accelerator == 'cuda'\n"
+        "head = head_start.HeadStart(cfg.compile_cache_root, 'inference:0', cfg.inference.model, cuda)\n"
         "from rlinf_twoworker.components import named\n"
         "worker = lambda: named('rlinf_twoworker.workers.inference:InferenceWorker')\n"
         "answer = head.import_ahead(worker)\n"
