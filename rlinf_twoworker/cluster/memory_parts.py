@@ -217,12 +217,13 @@ def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool)
     # reshard_after_forward=false, every layer from its forward to its backward. Without the
     # wrapper (one rank): every layer's cast from its forward to its backward, none when the
     # master weights compute themselves.
-    if cfg.actor.fsdp_wraps(ranks, gpu):
+    wraps = cfg.actor.fsdp_wraps(ranks, gpu)
+    if wraps:
         kept_layers = 2 if cfg.actor.fsdp_config.reshard_after_forward else shape.layers
         gathered = (shape.embedding_params + kept_layers * shape.layer_params) * compute
     else:
         gathered = 0 if compute == master else shape.params * compute
-    return {
+    parts = {
         "weights": shard * master,
         "gradients": shard * master,
         "optimizer": shard * 2 * 4,  # Adam's moments in float32
@@ -230,6 +231,27 @@ def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool)
         "activations": activations,
         "logits": tokens * shape.vocab * LOGIT_BYTES_TRAIN,
     }
+    if not wraps and _one_micro_batch(cfg, ranks):
+        # Each minibatch starts with no gradients (zero_grad(set_to_none=True)). In one
+        # micro-batch, autograd makes them in its backward as it frees the forward's
+        # activations and logits, so the pass holds the larger of the two, not both (on an
+        # H100, 1.5B shape: the tutorial's actor peaked at 35.6 GiB allocated where the sum
+        # with its slack said 47.6). The wrapped rank keeps the sum: FSDP2's unsharded
+        # gradients and reduce-scatter buffers come with its sharded ones.
+        forward = parts["activations"] + parts["logits"]
+        parts["gradients_beyond_activations"] = max(0, parts.pop("gradients") - forward)
+    return parts
+
+
+def _one_micro_batch(cfg: GRPOConfig, ranks: int) -> bool:
+    """Whether the actor's update computes a rank's whole minibatch in one micro-batch at full
+    width (then at any width: shorter rows fit more of them). Under dynamic batch size the
+    rows per micro-batch follow the answers' lengths: not known ahead."""
+    if cfg.runner.enable_dynamic_batch_size:
+        return False
+    algo = cfg.algorithm
+    rows = cfg.data.rollout_batch_size * algo.group_size // algo.n_minibatches // ranks
+    return cfg.micro_batch_rows(True, cfg.runner.seq_length) >= rows
 
 
 def logprob_parts(cfg: GRPOConfig, shape: ModelShape, precision: str) -> dict[str, int]:

@@ -96,6 +96,33 @@ def test_a_shape_the_headers_cannot_give_is_counted_on_meta(tmp_path, tiny):
     assert mparts.shape_from_checkpoint(short) is None
 
 
+def test_one_unwrapped_rank_in_one_micro_batch_holds_its_gradients_or_its_activations(tiny):
+    """At one rank without FSDP2's wrapper, a minibatch computed in one micro-batch makes its
+    gradients in its backward as the forward's activations and logits are freed (each
+    minibatch starts with none), so only the gradients beyond those are added. Cut in two, the
+    second micro-batch's forward runs beside the first's gradients, and the wrapped rank has
+    FSDP2's buffers besides: both keep all of the gradients."""
+    shape = mparts.model_shape(tiny)
+    one = gpu_config(tiny)  # 16 rows / 4 minibatches = 4 rows of 1024 tokens: one 4096 cut
+    assert not one.actor.fsdp_wraps(1, True)
+    gradients = PARAMS * 4  # fp32 master weights' gradients
+    parts = mparts.actor_parts(one, shape, ranks=1, recompute=True)
+    assert "gradients" not in parts
+    forward = parts["activations"] + parts["logits"]
+    assert parts["gradients_beyond_activations"] == max(0, gradients - forward)
+    # The activations alone would not cover them at this size: a bigger model's gradients.
+    big = dataclasses.replace(shape, params=10**6)
+    parts = mparts.actor_parts(one, big, ranks=1, recompute=True)
+    forward = parts["activations"] + parts["logits"]
+    assert parts["gradients_beyond_activations"] == 10**6 * 4 - forward > 0
+    halves = gpu_config(tiny, "runner.micro_batch_tokens=2048")
+    assert mparts.actor_parts(halves, shape, 1, True)["gradients"] == gradients
+    wrapped = gpu_config(tiny, "actor.fsdp_at_one_rank=true")
+    assert mparts.actor_parts(wrapped, shape, 1, True)["gradients"] == gradients
+    dynamic = gpu_config(tiny, "runner.enable_dynamic_batch_size=true")
+    assert mparts.actor_parts(dynamic, shape, 1, True)["gradients"] == gradients
+
+
 def test_each_part_matches_the_hand_computed_size(tiny):
     cfg = gpu_config(tiny)
     shape = mparts.model_shape(tiny)
