@@ -28,6 +28,7 @@ from rlinf_twoworker.cluster.connect import NAMESPACE, ray_name
 from rlinf_twoworker.cluster.placement import scheduling_options
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.config.placement import Placement, Slot
+from rlinf_twoworker.config.settings import ProcessSettings
 from rlinf_twoworker.errors import ComponentError
 from rlinf_twoworker.results import Placed
 from rlinf_twoworker.run.head_start import HeadStart
@@ -66,13 +67,15 @@ class ComponentHost:
     """The worker: 'module:Class' (imported in this process only), or the class itself."""
     COMPONENT = ""
 
-    def __init__(self, settings: Any, rank: int = 0, kept_by: str | None = None) -> None:
+    def __init__(
+        self, settings: ProcessSettings, rank: int = 0, kept_by: str | None = None
+    ) -> None:
         self._cls: type | None = None
         self._claim = kept_by
         """The run using this process, where it is kept between runs (run/kept.py)."""
         self.rebind(settings, rank)
 
-    def rebind(self, settings: Any, rank: int) -> None:
+    def rebind(self, settings: ProcessSettings, rank: int) -> None:
         """Take a run's settings for this component (config/settings.py): a new process's
         first call, and a kept process's first call of each later run (its worker unloaded by
         the last run)."""
@@ -80,12 +83,11 @@ class ComponentHost:
         self._placed_at = time.time()  # the process started (or was taken) for this run
         self._load_began: float | None = None
         self._worker: Any = None
-        # Read leniently: test_group's stand-in workers take settings of their own.
-        self._model = getattr(settings, "model", None)
+        self._model = settings.model
         """The model its worker loads (None: none)."""
-        self._cuda = getattr(settings, "accelerator", None) == "cuda"
+        self._cuda = settings.accelerator == "cuda"
         """Whether the run is on GPUs."""
-        root = getattr(settings, "compile_cache_root", None)
+        root = settings.compile_cache_root
         self._head = HeadStart(root, f"{self.COMPONENT}:{rank}", self._model, self._cuda)
         """Its head start (run/head_start.py): imports ahead, the compiler's cache."""
 
@@ -133,7 +135,7 @@ class ComponentHost:
     def save_compile_cache(self) -> dict[str, Any]:
         return self._head.save()
 
-    def load(self, settings: Any = None) -> dict[str, Any]:
+    def load(self, settings: ProcessSettings | None = None) -> dict[str, Any]:
         """Build the worker, with `settings` when given: as the run's memory plan settled them
         (activation recompute, offload, micro-batch tokens), which the process, started
         beside the preflight, was not made with."""

@@ -4,13 +4,20 @@ worker is built (its model loaded), in a plain process as in a Ray actor."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import os
 
 import pytest
 
 from rlinf_twoworker import components
+from rlinf_twoworker.config.settings import ProcessSettings
 from rlinf_twoworker.run.group import ComponentHost, host_class
+
+STAND_IN = ProcessSettings(
+    accelerator="cpu", seed=0, collective_timeout_s=60.0, compile_cache_root=None, model=None
+)
+"""What a stand-in worker is given: a process's common settings, no model."""
 
 
 class Loads:
@@ -18,9 +25,9 @@ class Loads:
 
     loaded = 0
 
-    def __init__(self, cfg: dict, rank: int = 0) -> None:
+    def __init__(self, settings: ProcessSettings, rank: int = 0) -> None:
         Loads.loaded += 1
-        self.cfg, self.rank, self.began = cfg, rank, 123.0
+        self.settings, self.rank, self.began = settings, rank, 123.0
 
     def where(self) -> dict:
         return {"component": "loads", "rank": self.rank, "loaded": True}
@@ -32,7 +39,7 @@ class Loads:
 def test_a_component_process_answers_before_its_worker_is_built():
     cls = host_class(Loads, "rollout")
     assert cls.__name__ == "Loads" and issubclass(cls, ComponentHost)
-    component = cls({"x": 1}, 3)
+    component = cls(STAND_IN, 3)
     assert Loads.loaded == 0  # created: the process is up, no model loaded
     placed = component.where()
     assert (placed["component"], placed["rank"], placed["pid"]) == ("rollout", 3, os.getpid())
@@ -52,15 +59,16 @@ def test_a_worker_is_built_with_the_settings_the_memory_plan_settled():
     preflight); the memory plan then settles recompute, offload and micro-batch tokens in the
     run's config, and the worker is built with its settings under that one (ComponentGroup.load
     passes them), not the ones the process began with."""
-    component = host_class(Loads, "actor")({"micro_batch_tokens": None}, 0)
-    component.load({"micro_batch_tokens": 16384})
-    assert component._worker.cfg == {"micro_batch_tokens": 16384}
+    settled = dataclasses.replace(STAND_IN, seed=7)
+    component = host_class(Loads, "actor")(STAND_IN, 0)
+    component.load(settled)
+    assert component._worker.settings is settled
 
 
 class Grades:
     """A worker with an async method, like the reward."""
 
-    def __init__(self, cfg: dict, rank: int = 0) -> None:
+    def __init__(self, settings: ProcessSettings, rank: int = 0) -> None:
         self.rank = rank
 
     async def score(self, answers: list[str]) -> list[float]:
@@ -77,7 +85,7 @@ class Grades:
 def test_an_async_worker_gets_an_event_loop_host_that_awaits_its_calls():
     cls = host_class(Grades, "reward")
     assert inspect.iscoroutinefunction(cls.call)
-    component = cls({}, 0)
+    component = cls(STAND_IN, 0)
     component.load()
     assert asyncio.run(component.call("score", ["7", "1"])) == [1.0, 0.0]
     assert asyncio.run(component.call("count", ["7"])) == 1  # a plain method, answered as is
@@ -90,7 +98,7 @@ def test_a_worker_that_does_not_import_is_a_named_error():
     """The process imports its worker only ahead of its load: a module missing on the node
     fails there, naming the component, its rank, the worker and what to do."""
     component = host_class("rlinf_twoworker.workers.no_such_worker:Nothing", "rollout", False)(
-        {}, 1
+        STAND_IN, 1
     )
     assert component.where()["component"] == "rollout"  # the process itself is up
     with pytest.raises(ImportError, match=r"rollout:1: its worker .*no_such_worker.* install"):
@@ -254,7 +262,7 @@ def test_import_ahead_leaves_the_compiler_to_a_thread_on_gpus_only(tmp_path):
 class Records:
     """A worker that records the order of its calls; `fail` raises."""
 
-    def __init__(self, cfg: dict, rank: int = 0) -> None:
+    def __init__(self, settings: ProcessSettings, rank: int = 0) -> None:
         self.seen: list[str] = []
 
     def slow(self, label: str) -> None:
@@ -287,7 +295,7 @@ def test_a_call_nobody_waits_for_runs_before_later_calls_and_settle_raises_its_f
     from rlinf_twoworker.run.group import ComponentGroup, Member
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # not importable there
-    handle = ray.remote(num_cpus=0)(host_class(Records, "actor")).remote({}, 0)
+    handle = ray.remote(num_cpus=0)(host_class(Records, "actor")).remote(STAND_IN, 0)
     ray.get(handle.load.remote())
     member = Member(Slot("actor", 0, 0, 0, 0), handle, {"ip": "127.0.0.1", "node_id": "n1"})
     group = ComponentGroup.__new__(ComponentGroup)  # only the calls: no placement, no config
