@@ -179,7 +179,7 @@ def micro_batch_tokens(
     runner, algo = cfg.runner, cfg.algorithm
     seq = runner.seq_length
     if training:
-        rows = cfg.data.rollout_batch_size * algo.group_size // algo.n_minibatches // ranks
+        rows = cfg.minibatch_rows // ranks
         if runner.enable_dynamic_batch_size:
             return min(rows * seq, max(runner.max_tokens_per_mbs, seq))
         least = algo.training_batch_size_per_gpu
@@ -249,9 +249,7 @@ def _one_micro_batch(cfg: GRPOConfig, ranks: int) -> bool:
     rows per micro-batch follow the answers' lengths: not known ahead."""
     if cfg.runner.enable_dynamic_batch_size:
         return False
-    algo = cfg.algorithm
-    rows = cfg.data.rollout_batch_size * algo.group_size // algo.n_minibatches // ranks
-    return cfg.micro_batch_rows(True, cfg.runner.seq_length) >= rows
+    return cfg.micro_batch_rows(True, cfg.runner.seq_length) >= cfg.minibatch_rows // ranks
 
 
 def logprob_parts(cfg: GRPOConfig, shape: ModelShape, precision: str) -> dict[str, int]:

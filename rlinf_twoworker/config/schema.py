@@ -1066,6 +1066,13 @@ class GRPOConfig:
             and self.runner.val_check_interval > 0
         )
 
+    @property
+    def minibatch_rows(self) -> int:
+        """Answers in one minibatch of a step (all actor ranks together)."""
+        return (
+            self.data.rollout_batch_size * self.algorithm.group_size // self.algorithm.n_minibatches
+        )
+
     def micro_batch_rule(self, training: bool, cut: int | None = None) -> MicroBatchRule:
         """The micro-batch cut of one pass, the one rule of both (the loss weights do not
         depend on it). The actor's update (`training`, one rank's minibatch): as many rows as

@@ -67,7 +67,7 @@ def chunk_order(cfg: GRPOConfig, step: int, chunk: int, rows: int) -> torch.Tens
 def minibatch_rows(cfg: GRPOConfig, step: int) -> list[torch.Tensor]:
     """The answers of each minibatch of the step, in training order, as indices into the step's
     answers in prompt order (group_size per prompt): each minibatch lies in one chunk."""
-    group, per_mb = cfg.algorithm.group_size, len_minibatch(cfg)
+    group, per_mb = cfg.algorithm.group_size, cfg.minibatch_rows
     out = []
     for chunk in plan_chunks(cfg, step):
         begin = chunk.prompts.start * group
@@ -78,14 +78,10 @@ def minibatch_rows(cfg: GRPOConfig, step: int) -> list[torch.Tensor]:
     return out
 
 
-def len_minibatch(cfg: GRPOConfig) -> int:
-    return cfg.data.rollout_batch_size * cfg.algorithm.group_size // cfg.algorithm.n_minibatches
-
-
 def rlinf_micro_batches(cfg: GRPOConfig, ranks: int) -> list[list[slice]]:
     """RLinf's micro-batches of one minibatch, per actor rank, as row slices of the minibatch:
     rank r takes the r-th contiguous share and cuts it into training_batch_size_per_gpu rows."""
-    per_rank = len_minibatch(cfg) // ranks
+    per_rank = cfg.minibatch_rows // ranks
     size = cfg.algorithm.training_batch_size_per_gpu
     return [
         [slice(r * per_rank + b, r * per_rank + b + size) for b in range(0, per_rank, size)]
@@ -105,7 +101,7 @@ def split_for_actors(
     """Shards per actor rank: for each minibatch, the rank's contiguous share of its rows with
     the minibatch's loss weights (algorithm.loss_weights over RLinf's micro-batches). The
     weights are per token and zero on padding, so a batch padded wider gets the same loss."""
-    per_mb = len_minibatch(cfg)
+    per_mb = cfg.minibatch_rows
     layout = rlinf_micro_batches(cfg, ranks)
     per_rank = per_mb // ranks
     shards: list[list[ActorShard]] = [[] for _ in range(ranks)]

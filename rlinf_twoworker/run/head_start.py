@@ -31,11 +31,15 @@ import asyncio
 import importlib
 import threading
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rlinf_twoworker import bytecode
 from rlinf_twoworker.run.tasks import background, gather_fail_fast
 from rlinf_twoworker.workers.contract import PREPARATIONS, Process
+
+if TYPE_CHECKING:  # annotations only
+    from rlinf_twoworker.config import ModelConfig
 
 Member = Any
 """A member of the run's ComponentGroup (run/group.Member); named in words here, since the
@@ -109,7 +113,7 @@ class HeadStart:
     facts: the compile cache's `root` (None: off), the `model` its worker loads (a
     config.ModelConfig; None: none), and whether it runs on a GPU (`cuda`)."""
 
-    def __init__(self, root: Any, who: str, model: Any | None, cuda: bool) -> None:
+    def __init__(self, root: Path | None, who: str, model: ModelConfig | None, cuda: bool) -> None:
         self.root, self.who, self.model, self.cuda = root, who, model, cuda
         self.component = who.split(":")[0]
         self.compiler_imports: threading.Thread | None = None
@@ -117,10 +121,6 @@ class HeadStart:
         self.cache: Any = None
         """This component's compile-cache entry (engines/compile_cache.CompileCache), found by
         `prepare` on GPUs."""
-
-    @property
-    def _model_path(self) -> str | None:
-        return getattr(self.model, "model_path", None)
 
     def import_ahead(self, worker_class: Any) -> dict[str, Any]:
         """Import the worker's module (`worker_class()`, which imports it) and what its model
@@ -134,7 +134,7 @@ class HeadStart:
         missing: list[str] = []
         with bytecode.bulk_imports():  # no cyclic collection while torch and the model import
             cache.guarded(worker_class, self.who)  # the worker's module: torch, the engines
-            path = self._model_path
+            path = None if self.model is None else self.model.model_path
             if path:
                 from rlinf_twoworker.engines.models import preimport_model
 
@@ -154,15 +154,15 @@ class HeadStart:
         """On GPUs, once the model is loaded: torch.compile's imports done and this
         component's compile-cache entry loaded, before it compiles. Returns its seconds by
         part and its cache lines (none on a CPU, or a second time)."""
-        model, path = self.model, self._model_path
-        if not self.cuda or self.cache is not None or model is None or path is None:
+        model = self.model
+        if not self.cuda or self.cache is not None or model is None:
             return {"seconds": {}, "cache": []}
         start = time.perf_counter()
         if self.compiler_imports is not None:  # usually done by now
             self.compiler_imports.join()
         import_compiler()
         imported = time.perf_counter()
-        self.cache = _cache_entry(self.root, self.component, model.precision, path)
+        self.cache = _cache_entry(self.root, self.component, model.precision, model.model_path)
         event = self.cache.load()
         return {
             "seconds": {

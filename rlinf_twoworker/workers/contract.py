@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # annotations only
     from rlinf_twoworker import messages
+    from rlinf_twoworker.config.settings import ProcessSettings
     from rlinf_twoworker.engines.models import SequenceBatch
 
 
@@ -40,7 +41,7 @@ class Process(Protocol):
         """Import the worker's module and what its load will; its seconds and bytecode lines."""
         ...
 
-    def load(self, settings: Any = None) -> dict[str, Any]:
+    def load(self, settings: ProcessSettings | None = None) -> dict[str, Any]:
         """Build the worker (its model load) with its settings under the settled config
         (config/settings.py); answers `where`."""
         ...
@@ -63,7 +64,7 @@ class Process(Protocol):
         """Save what it compiled since the last save: 'cache' (lines to log), 'compile_s'."""
         ...
 
-    def rebind(self, settings: Any, rank: int) -> None:
+    def rebind(self, settings: ProcessSettings, rank: int) -> None:
         """Take a run's settings for its component: a kept process's first call of each later
         run (cluster.keep_processes, run/kept.py)."""
         ...
