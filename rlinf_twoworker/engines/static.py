@@ -34,14 +34,24 @@ attention: a model whose config slides a window shorter than the sequence is ref
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from rlinf_twoworker.engines.decode_attention import (
+    combine,
+    grouped_matmul,
+    kernel_available,
+    kernel_pays,
+    kernel_supports,
+    split_kv,
+    splits_for,
+)
 from rlinf_twoworker.engines.kv_memory import prefill_rows, slots_that_fit
 from rlinf_twoworker.engines.models import run_or_eager
 from rlinf_twoworker.engines.sampling import SamplingSettings
@@ -108,6 +118,22 @@ live answer so far rounded up to a multiple of this (one captured graph per W): 
 in the answers reads a fraction of the cache instead of all max_len columns."""
 
 
+ATTENTIONS = ("split_kv", "grouped")
+"""Decode attention implementations (engines/decode_attention.py): the split-KV kernel reads
+each slot's own filled columns (CUDA); the grouped matrix product reads the longest live
+answer's, on any device."""
+
+
+class DecodeMask(NamedTuple):
+    """Which cache columns a decode step attends to: at most the first `width` of any slot;
+    as an additive `bias` [B, 1, 1, width] (the grouped product) or, for the split-KV kernel,
+    each slot's `end` [B] (it reads columns [0, end) and skips the invalid ones)."""
+
+    width: int
+    bias: torch.Tensor | None = None
+    end: torch.Tensor | None = None
+
+
 @dataclass
 class RunStats:
     """What a sampler's last generate() did (for tests and benchmarks)."""
@@ -164,11 +190,15 @@ class StaticSampler:
         compiled: bool | None = None,
         backend: str | Callable = "inductor",
         read_step: int = READ_STEP,
+        attention: str | None = None,
     ) -> None:
         """`model`: a loaded transformers causal LM of a supported architecture. `compiled`:
         fuse the decode step's elementwise kernels with torch.compile(backend=`backend`); None:
         on GPUs, unless RLINF_SAMPLER_COMPILE=0. `read_step`: decode attention's read width is
-        rounded up to a multiple of it (READ_STEP; max_len: always the whole cache)."""
+        rounded up to a multiple of it (READ_STEP; max_len: always the whole cache).
+        `attention`: one of ATTENTIONS; None: RLINF_DECODE_ATTENTION if set, else the split-KV
+        kernel where it runs (a CUDA device with Triton, shapes it supports) and pays (enough
+        slots, decode_attention.kernel_pays), else the grouped product."""
         reason = unsupported_reason(model, max_len)
         if reason is not None:
             raise TwoWorkerError(f"static sampler: {reason}; use rollout.engine=hf")
@@ -197,7 +227,31 @@ class StaticSampler:
         if compiled is None:
             compiled = p.device.type == "cuda" and os.environ.get("RLINF_SAMPLER_COMPILE") != "0"
         self.backend = backend
+        self.attention = attention or self._default_attention(p.device)
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"decode attention {self.attention!r} is not one of {ATTENTIONS}")
+        if self.attention == "split_kv":
+            shapes = (self.heads, self.kv_heads, self.head_dim)
+            if not (kernel_available(p.device) and kernel_supports(*shapes)):
+                raise TwoWorkerError(
+                    "static sampler: the split_kv decode attention runs on CUDA with Triton, at "
+                    "most 16 query heads a KV head and a power-of-two head_dim >= 16; this "
+                    f"model is on {p.device} with (heads, KV heads, head_dim) {shapes}; use "
+                    "attention='grouped'"
+                )
+            self.splits = splits_for(batch, self.kv_heads, max_len, p.device)
         self._set_kernels(compiled)
+
+    def _default_attention(self, device: torch.device) -> str:
+        """The split-KV kernel where it runs and pays (kernel_pays: enough slots), unless
+        RLINF_DECODE_ATTENTION names the other; the grouped product otherwise."""
+        wanted = os.environ.get("RLINF_DECODE_ATTENTION")
+        if wanted in ATTENTIONS:
+            return wanted
+        runs = kernel_available(device) and kernel_supports(
+            self.heads, self.kv_heads, self.head_dim
+        )
+        return "split_kv" if runs and kernel_pays(self.batch, self.kv_heads, device) else "grouped"
 
     def _make_state(self, dev: torch.device) -> None:
         """Persistent decode state, one row per slot: a captured graph reads and writes exactly
@@ -228,6 +282,8 @@ class StaticSampler:
     def _set_kernels(self, compiled: bool) -> None:
         self.compiled = compiled
         self.kernels = compiled_kernels(self.backend) if compiled else EAGER
+        # The split-KV ranges' reduction: fixed shapes, one fused kernel when compiled.
+        self.combine = torch.compile(combine, backend=self.backend) if compiled else combine
 
     def _residual_norm(
         self, kern: Kernels, x: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module
@@ -273,12 +329,11 @@ class StaticSampler:
         index: int,
         h: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
+        mask: Any,
         slots: torch.Tensor | None,
     ) -> torch.Tensor:
         """A prefill's attention (`slots`: the slots it fills, `mask`: boolean [n, 1, P, P]), or
-        a decode step's over every slot (`slots` None, `mask`: additive [B, 1, 1, W] bias over
-        the first W cache columns, the only ones it reads)."""
+        a decode step's over every slot (`slots` None, `mask`: its DecodeMask)."""
         b, t, _ = h.shape
         keys, values = self.k[index], self.v[index]
         if slots is not None:
@@ -294,14 +349,11 @@ class StaticSampler:
         else:
             # Each slot's key goes to its own column, graph-safe (no host sync).
             q = self._q_stored(kern, index, h, rotary)
-            # Only the first W columns hold a live key (the caller's bound), so only they are
-            # read: a view, no copy. One query per row: group the query heads of each KV head,
-            # so the cache is read where it lies instead of being repeated per query head.
-            width = mask.shape[-1]
-            keys, values = keys[:, :, :width], values[:, :, :width]
-            q = q.reshape(b, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
-            probs = kern.softmax(q @ keys.transpose(-1, -2), mask, self.scale)
-            out = (probs @ values).reshape(b, 1, -1)
+            if mask.end is not None:
+                args = (self.valid, mask.end, mask.width, self.scale, self.splits, self.combine)
+                out = split_kv(q, keys, values, *args)
+            else:
+                out = grouped_matmul(q, keys, values, mask.bias, self.scale, kern.softmax)
         return self.layers[index].self_attn.o_proj(out)
 
     def _mlp(self, kern: Kernels, index: int, h: torch.Tensor) -> torch.Tensor:
@@ -311,7 +363,7 @@ class StaticSampler:
         return mlp.down_proj(kern.swiglu(F.linear(h, gate_up)))
 
     def _forward(
-        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor | None
+        self, ids: torch.Tensor, pos: torch.Tensor, mask: Any, slots: torch.Tensor | None
     ) -> torch.Tensor:
         """Logits of the last position: a prefill of `slots` (eager kernels: its row count
         changes from one refill to the next) or, `slots` None, a decode step."""
@@ -530,9 +582,14 @@ class StaticSampler:
         # not torch.isin: isin sorts (a host sync) when there are many ids.
         self.done |= (tok == self.eos).any(-1) | (self.step[:, 0] + 1 >= self.limit)
         self.valid.scatter_(1, self.col, True)
-        valid = self.valid[:, :width]
-        bias = torch.zeros(valid.shape, device=valid.device).masked_fill(~valid, float("-inf"))
-        logits = self._forward(tok, self.pos, bias[:, None, None, :], None)
+        if self.attention == "split_kv":
+            # A slot reads up to its newest key (the host's width bounds every live one).
+            mask = DecodeMask(width, end=(self.col.view(-1) + 1).clamp(max=width))
+        else:
+            valid = self.valid[:, :width]
+            bias = torch.zeros(valid.shape, device=valid.device).masked_fill(~valid, -math.inf)
+            mask = DecodeMask(width, bias=bias[:, None, None, :])
+        logits = self._forward(tok, self.pos, mask, None)
         self.tok.copy_(self._pick(logits, s).unsqueeze(1))
         # A finished slot steps on until it is refilled, rewriting its last column (so it
         # never passes the read width the host bounds by the live slots), its position at most

@@ -499,3 +499,14 @@ def test_compiled_rotary_writes_the_step_into_the_cache_in_place(norms):
     untouched[rows, :, col] = False
     assert torch.equal(keys[untouched], original_k[untouched])
     assert torch.equal(values[untouched], original_v[untouched])
+
+
+def test_decode_attention_choice_is_checked():
+    """On a CPU the sampler decodes with the grouped product; asking for the split-KV kernel
+    there (or for an unknown attention) fails at construction, saying what to use instead."""
+    model = _tiny_lm(head_dim=16)
+    assert StaticSampler(model, 2, 16).attention == "grouped"
+    with pytest.raises(TwoWorkerError, match=r"split_kv .*CUDA with Triton.*attention='grouped'"):
+        StaticSampler(model, 2, 16, attention="split_kv")
+    with pytest.raises(ValueError, match="flash.*not one of"):
+        StaticSampler(model, 2, 16, attention="flash")

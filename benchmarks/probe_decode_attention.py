@@ -1,0 +1,212 @@
+# ruff: noqa: B023  (each lambda runs within the loop iteration that makes it)
+"""Decode attention alone and in the sampler: the grouped matrix product against the split-KV
+kernel (engines/decode_attention.py), with FlexAttention and unmasked SDPA for comparison.
+
+python benchmarks/probe_decode_attention.py [--out FILE]
+
+Part 1: one layer's decode attention, 1.5B shape (12 heads, 2 KV heads, head_dim 128), cache
+of 2304 columns; B slots, read width W, every slot filled to W ("full") or to a uniform length
+in [256, W] ("mixed"); microseconds per call (CUDA events, median of 5 x 50 calls) and the
+largest difference from a float32 reference. Part 2: the sampler's generate() at B slots and N
+new tokens after a 256-token prompt, each attention, seconds and generated tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+HEADS, KV, DIM, LEN = 12, 2, 128, 2304
+
+
+def _time(fn, calls: int = 50, repeats: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) * 1000 / calls)
+    return statistics.median(times)
+
+
+def part1() -> list[dict]:
+    from rlinf_twoworker.engines.decode_attention import (
+        combine,
+        grouped_matmul,
+        split_kv,
+        splits_for,
+    )
+    from rlinf_twoworker.engines.static_kernels import masked_softmax
+
+    dev = torch.device("cuda")
+    softmax = torch.compile(masked_softmax, dynamic=True)
+    reduce = torch.compile(combine)
+    rows = []
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+    except Exception as error:  # noqa: BLE001
+        flex, flex_error = None, repr(error)
+    for b in (256, 64, 16):
+        g = torch.Generator(device=dev).manual_seed(0)
+        keys = torch.randn(b, KV, LEN, DIM, device=dev, dtype=torch.bfloat16, generator=g)
+        values = torch.randn(b, KV, LEN, DIM, device=dev, dtype=torch.bfloat16, generator=g)
+        q = torch.randn(b, HEADS, 1, DIM, device=dev, dtype=torch.bfloat16, generator=g)
+        splits = splits_for(b, KV, LEN, dev)
+        for width in (512, 1024, 2048):
+            for fill in ("full", "mixed"):
+                if fill == "full":
+                    end = torch.full((b,), width, device=dev)
+                else:
+                    end = torch.randint(256, width + 1, (b,), device=dev, generator=g)
+                cols = torch.arange(LEN, device=dev)
+                valid = (cols[None, :] < end[:, None]) & (cols[None, :] >= 3)  # 3 padding cols
+                bias = torch.zeros(b, width, device=dev).masked_fill(~valid[:, :width], -math.inf)
+                bias4 = bias[:, None, None, :]
+                scale = DIM**-0.5
+                ref = grouped_matmul(
+                    q.float(), keys.float(), values.float(), bias4, scale, masked_softmax
+                )
+                row = {
+                    "slots": b,
+                    "width": width,
+                    "fill": fill,
+                    "splits": splits,
+                    "mean_end": float(end.float().mean()),
+                }
+                runs = {
+                    "grouped": lambda: grouped_matmul(q, keys, values, bias4, scale, softmax),
+                    "split_kv": lambda: split_kv(
+                        q, keys, values, valid, end, width, scale, splits, reduce
+                    ),
+                    "sdpa_unmasked_bound": lambda: F.scaled_dot_product_attention(
+                        q, keys[:, :, :width], values[:, :, :width], enable_gqa=True
+                    ),
+                }
+                if flex is not None:
+
+                    def score_mod(score, bi, h, qi, kv):
+                        return torch.where(valid[bi, kv], score, -math.inf)
+
+                    runs["flex_score_mod"] = lambda: flex(
+                        q,
+                        keys[:, :, :width],
+                        values[:, :, :width],
+                        score_mod=score_mod,
+                        enable_gqa=True,
+                    )
+                for name, fn in runs.items():
+                    try:
+                        out = fn()
+                        us = _time(fn)
+                        row[f"{name}_us"] = round(us, 1)
+                        if name != "sdpa_unmasked_bound":
+                            out = out.reshape(b, 1, -1).float()
+                            row[f"{name}_max_err"] = float((out - ref).abs().max())
+                    except Exception as error:  # noqa: BLE001
+                        row[f"{name}_error"] = repr(error)[:300]
+                needed = float(end.float().sum()) * KV * DIM * 2 * 2
+                row["needed_gb_s_split_kv"] = round(needed / row.get("split_kv_us", 1e9) / 1e3, 1)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    if flex is None:
+        print("flex unavailable:", flex_error)
+    return rows
+
+
+def part2(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
+    from bench_gpu import make_model_dir
+
+    from rlinf_twoworker.engines.models import load_causal_lm
+    from rlinf_twoworker.engines.static import SamplingSettings, StaticSampler
+
+    model_dir = make_model_dir(Path("/tmp/rlinf-bench"))
+    model = load_causal_lm(model_dir, torch.bfloat16, torch.device("cuda")).eval()
+    settings = SamplingSettings()
+    rows = []
+    for b, new in cases:
+        ids = torch.randint(100, 150000, (b, 256), device="cuda")
+        mask = torch.ones_like(ids)
+        for attention in ("grouped", "split_kv") * repeats:
+            sampler = StaticSampler(model, b, 256 + new, attention=attention)
+            sampler.generate(ids, mask, new, [10**9], 0, settings)  # compile and capture
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            sampler.generate(ids, mask, new, [10**9], 0, settings)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            row = {
+                "slots": b,
+                "new": new,
+                "attention": attention,
+                "seconds": round(seconds, 4),
+                "tok_s": round(b * new / seconds),
+            }
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del sampler
+            torch.cuda.empty_cache()
+    return rows
+
+
+def part3() -> str:
+    """Kernel table of the sampler's decode at 256 slots, reading 1,100-1,300 columns (a 1024-
+    token prompt, 256 new tokens), with the attention the sampler picks."""
+    from bench_gpu import make_model_dir
+
+    from rlinf_twoworker.engines.models import load_causal_lm
+    from rlinf_twoworker.engines.static import SamplingSettings, StaticSampler
+
+    model_dir = make_model_dir(Path("/tmp/rlinf-bench"))
+    model = load_causal_lm(model_dir, torch.bfloat16, torch.device("cuda")).eval()
+    ids = torch.randint(100, 150000, (256, 1024), device="cuda")
+    mask = torch.ones_like(ids)
+    sampler = StaticSampler(model, 256, 1024 + 256)
+    settings = SamplingSettings()
+    sampler.generate(ids, mask, 256, [10**9], 0, settings)  # compile and capture
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        sampler.generate(ids, mask, 256, [10**9], 0, settings)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=30, max_name_column_width=60
+    )
+    print(f"attention={sampler.attention}\n{table}", flush=True)
+    return f"attention={sampler.attention}\n{table}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="")
+    parser.add_argument("--parts", default="1,2,3")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if "1" in args.parts:
+        result["attention"] = part1()
+    if "2" in args.parts:
+        result["generate"] = part2([(256, 1792), (16, 768)], args.repeats)
+    if "3" in args.parts:
+        result["profile"] = part3()
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

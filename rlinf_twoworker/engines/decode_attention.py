@@ -1,0 +1,247 @@
+"""Decode attention of the static sampler: one query token per slot against that slot's KV cache,
+reading only the columns the slot has filled.
+
+Two implementations of one function, `decode_attention(q, keys, values, valid, end, width)`:
+
+- `grouped_matmul` (every device): the query heads of each KV head grouped into one matrix
+  product with the cache's first `width` columns, a masked float32 softmax, a second product.
+  It reads `width` columns of every slot, `width` being the longest live answer's bound.
+- `split_kv` (CUDA, with Triton): a flash-decoding kernel. Each (slot, KV head) is cut into
+  `splits` column ranges, one program each; a program reads its range only up to the slot's
+  own end (`end[b]`, the column after its newest key), keeps an online softmax in float32 and
+  writes a partial output with its log-sum-exp; a small reduction combines the ranges. A slot
+  half way through its answer thus reads half the columns of one near its end, and no scores
+  or probabilities go through memory. Its results equal the grouped product's up to rounding
+  (float32 scores instead of the bf16 product's): tests/integration/test_gpu_decode.py.
+
+`end` and `valid` together say which columns a slot attends to: [0, end[b]) holds the prompt
+(its left padding marked invalid in `valid`) and the answer so far; nothing at or past
+`end[b]` is read.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+BLOCK_N = 128
+"""A range's length is a multiple of this: the largest of the column blocks the kernel is
+tuned over (64 or 128 columns an iteration)."""
+GROUP_PAD = 16
+"""Query heads per KV head the kernel computes at once (the matrix unit's smallest row count):
+models with more query heads per KV head use the grouped product."""
+
+
+def grouped_matmul(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    softmax: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+) -> torch.Tensor:
+    """q [B, H, 1, D], keys/values [B, KV, >= W, D], `bias` [B, 1, 1, W] (additive: 0 or -inf)
+    -> [B, 1, H * D]. Reads the first W cache columns of every slot."""
+    b, heads, _, dim = q.shape
+    kv_heads, width = keys.shape[1], bias.shape[-1]
+    keys, values = keys[:, :, :width], values[:, :, :width]
+    # One query per row: group the query heads of each KV head, so the cache is read where it
+    # lies instead of being repeated per query head.
+    q = q.reshape(b, kv_heads, heads // kv_heads, dim)
+    probs = softmax(q @ keys.transpose(-1, -2), bias, scale)
+    return (probs @ values).reshape(b, 1, -1)
+
+
+def kernel_supports(q_heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether split_kv handles these shapes: at most GROUP_PAD query heads per KV head and a
+    power-of-two head_dim of at least 16 (the matrix unit's tile)."""
+    group = q_heads // kv_heads
+    return group <= GROUP_PAD and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def kernel_available(device: torch.device) -> bool:
+    """Whether split_kv can run on `device`: a CUDA device and an importable Triton."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _sms(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def splits_for(slots: int, kv_heads: int, max_len: int, device: torch.device) -> int:
+    """Column ranges per (slot, KV head): enough programs for four per streaming
+    multiprocessor, each range at least BLOCK_N columns."""
+    wanted = max(1, math.ceil(4 * _sms(device) / (slots * kv_heads)))
+    return max(1, min(wanted, math.ceil(max_len / BLOCK_N)))
+
+
+def kernel_pays(slots: int, kv_heads: int, device: torch.device) -> bool:
+    """Whether the split-KV kernel beats the grouped product at this many slots: when the
+    (slot, KV head) pairs alone give two programs per streaming multiprocessor. Measured on
+    an H100, 1.5B shape (benchmarks/results/decode-split_kv-h100.json): 256 slots (2 ranges
+    each) generated 9% faster with the kernel; 16 slots (17 ranges each) 11% slower, the
+    ranges' partial outputs and their reduction costing more than the product's reads."""
+    return slots * kv_heads >= 2 * _sms(device)
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The Triton program, built on first use (Triton is imported only on CUDA machines)."""
+    import triton
+    import triton.language as tl
+
+    configs = [
+        triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
+        for n in (64, 128)
+        for w in (4, 8)
+        for st in (2, 3)
+    ]
+
+    # Tuned once per head shape and range count, on the first call (a sampler's warm-up step,
+    # outside any graph capture): the tuner's trial runs write only the partial outputs.
+    @triton.autotune(configs=configs, key=["KV", "SPLITS", "GROUP", "D"])
+    @triton.jit
+    def split_kv_partial(
+        Q,
+        K,
+        V,
+        VALID,
+        END,
+        OUT,
+        LSE,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_valid,
+        scale,
+        chunk,
+        KV: tl.constexpr,
+        SPLITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        slot_head = tl.program_id(0)
+        split = tl.program_id(1)
+        b = slot_head // KV
+        h = slot_head % KV
+        end = tl.load(END + b)
+        start = split * chunk
+        stop = tl.minimum(start + chunk, end)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D)
+        n = tl.arange(0, BLOCK_N)
+        q = tl.load(
+            Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
+            mask=g[:, None] < GROUP,
+            other=0.0,
+        )
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        k_base = K + b * stride_kb + h * stride_kh
+        v_base = V + b * stride_vb + h * stride_vh
+        for col in range(start, stop, BLOCK_N):
+            cols = col + n
+            inside = cols < stop
+            ok = tl.load(VALID + b * stride_valid + cols, mask=inside, other=0) != 0
+            k = tl.load(k_base + cols[:, None] * stride_kn + d[None, :], mask=inside[:, None])
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            total = total * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :], mask=inside[:, None])
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        # A range with no valid column (past the slot's end, or all padding) weighs nothing.
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        lse = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        row = (slot_head * SPLITS + split) * GROUP_PAD
+        tl.store(OUT + (row + g)[:, None] * D + d[None, :], out)
+        tl.store(LSE + row + g, lse)
+
+    return split_kv_partial
+
+
+def combine(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Column ranges' outputs [B, KV, S, G, D] and log-sum-exps [B, KV, S, G] -> the softmax
+    over all of them, [B, KV, G, D] (a range with lse -inf weighs nothing)."""
+    top = lse.amax(2, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weight = torch.exp(lse - top)
+    return (partial * weight.unsqueeze(-1)).sum(2) / weight.sum(2).clamp_min(1e-30).unsqueeze(-1)
+
+
+def split_kv(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    end: torch.Tensor,
+    width: int,
+    scale: float,
+    splits: int,
+    reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = combine,
+) -> torch.Tensor:
+    """q [B, H, 1, D], keys/values [B, KV, L, D] (last dim contiguous), valid [B, L] bool,
+    end [B] int64 (slot b reads columns [0, end[b]); the caller bounds it by `width`, the
+    columns any slot may read) -> [B, 1, H * D] in q's dtype. Graph-safe: no host sync; the
+    launch depends on `width` and `splits` only."""
+    b, heads, _, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    # Fixed `splits` (the buffers' shapes never change with the width; a range past every
+    # slot's end writes an lse of -inf), each range a whole number of BLOCK_N columns.
+    chunk = math.ceil(math.ceil(width / splits) / BLOCK_N) * BLOCK_N
+    q3 = q.reshape(b, heads, dim)
+    partial = torch.empty(b, kv_heads, splits, GROUP_PAD, dim, device=q.device)
+    lse = torch.empty(b, kv_heads, splits, GROUP_PAD, device=q.device)
+    _kernel()[(b * kv_heads, splits)](
+        q3,
+        keys,
+        values,
+        valid,
+        end,
+        partial,
+        lse,
+        q3.stride(0),
+        q3.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        values.stride(0),
+        values.stride(1),
+        values.stride(2),
+        valid.stride(0),
+        scale,
+        chunk,
+        KV=kv_heads,
+        SPLITS=splits,
+        GROUP=group,
+        GROUP_PAD=GROUP_PAD,
+        D=dim,
+        # float32 caches (tests' models) multiply in full float32, not TF32.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    out = reduce(partial[:, :, :, :group], lse[:, :, :, :group])
+    return out.to(q.dtype).reshape(b, 1, heads * dim)
