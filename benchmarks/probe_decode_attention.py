@@ -8,7 +8,9 @@ Part 1: one layer's decode attention, 1.5B shape (12 heads, 2 KV heads, head_dim
 of 2304 columns; B slots, read width W, every slot filled to W ("full") or to a uniform length
 in [256, W] ("mixed"); microseconds per call (CUDA events, median of 5 x 50 calls) and the
 largest difference from a float32 reference. Part 2: the sampler's generate() at B slots and N
-new tokens after a 256-token prompt, each attention, seconds and generated tokens/s.
+new tokens after a 256-token prompt, GRPO groups of 8 answers a prompt, each attention (and the
+kernel on distinct prompts, which share nothing), seconds and generated tokens/s. Part 3: the
+kernel table of a decode.
 """
 
 from __future__ import annotations
@@ -140,10 +142,14 @@ def part2(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
     model = load_causal_lm(model_dir, torch.bfloat16, torch.device("cuda")).eval()
     settings = SamplingSettings()
     rows = []
+    runs = [("grouped", 8), ("split_kv", 8), ("split_kv", 1)] * repeats
     for b, new in cases:
-        ids = torch.randint(100, 150000, (b, 256), device="cuda")
-        mask = torch.ones_like(ids)
-        for attention in ("grouped", "split_kv") * repeats:
+        for attention, group in runs:
+            # GRPO rows: b / group prompts, each repeated in `group` consecutive rows (1: every
+            # row its own prompt, so no slot shares another's prompt columns).
+            ids = torch.randint(100, 150000, (b // group, 256), device="cuda")
+            ids = ids.repeat_interleave(group, 0)
+            mask = torch.ones_like(ids)
             sampler = StaticSampler(model, b, 256 + new, attention=attention)
             sampler.generate(ids, mask, new, [10**9], 0, settings)  # compile and capture
             torch.cuda.synchronize()
@@ -155,6 +161,7 @@ def part2(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
                 "slots": b,
                 "new": new,
                 "attention": attention,
+                "group": group,
                 "seconds": round(seconds, 4),
                 "tok_s": round(b * new / seconds),
             }

@@ -21,7 +21,6 @@ Two implementations of one function, `decode_attention(q, keys, values, valid, e
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -94,91 +93,9 @@ def kernel_pays(slots: int, kv_heads: int, device: torch.device) -> bool:
     return slots * kv_heads >= 2 * _sms(device)
 
 
-@functools.cache
 def _kernel() -> Any:
-    """The Triton program, built on first use (Triton is imported only on CUDA machines)."""
-    import triton
-    import triton.language as tl
-
-    configs = [
-        triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
-        for n in (64, 128)
-        for w in (4, 8)
-        for st in (2, 3)
-    ]
-
-    # Tuned once per head shape and range count, on the first call (a sampler's warm-up step,
-    # outside any graph capture): the tuner's trial runs write only the partial outputs.
-    @triton.autotune(configs=configs, key=["KV", "SPLITS", "GROUP", "D"])
-    @triton.jit
-    def split_kv_partial(
-        Q,
-        K,
-        V,
-        VALID,
-        END,
-        OUT,
-        LSE,
-        stride_qb,
-        stride_qh,
-        stride_kb,
-        stride_kh,
-        stride_kn,
-        stride_vb,
-        stride_vh,
-        stride_vn,
-        stride_valid,
-        scale,
-        chunk,
-        KV: tl.constexpr,
-        SPLITS: tl.constexpr,
-        GROUP: tl.constexpr,
-        GROUP_PAD: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        slot_head = tl.program_id(0)
-        split = tl.program_id(1)
-        b = slot_head // KV
-        h = slot_head % KV
-        end = tl.load(END + b)
-        start = split * chunk
-        stop = tl.minimum(start + chunk, end)
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, D)
-        n = tl.arange(0, BLOCK_N)
-        q = tl.load(
-            Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
-            mask=g[:, None] < GROUP,
-            other=0.0,
-        )
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        k_base = K + b * stride_kb + h * stride_kh
-        v_base = V + b * stride_vb + h * stride_vh
-        for col in range(start, stop, BLOCK_N):
-            cols = col + n
-            inside = cols < stop
-            ok = tl.load(VALID + b * stride_valid + cols, mask=inside, other=0) != 0
-            k = tl.load(k_base + cols[:, None] * stride_kn + d[None, :], mask=inside[:, None])
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            total = total * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + cols[:, None] * stride_vn + d[None, :], mask=inside[:, None])
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
-        # A range with no valid column (past the slot's end, or all padding) weighs nothing.
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        lse = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
-        row = (slot_head * SPLITS + split) * GROUP_PAD
-        tl.store(OUT + (row + g)[:, None] * D + d[None, :], out)
-        tl.store(LSE + row + g, lse)
+    """The Triton program (engines/decode_kernel.py imports Triton: only on CUDA machines)."""
+    from rlinf_twoworker.engines.decode_kernel import split_kv_partial
 
     return split_kv_partial
 
@@ -202,17 +119,24 @@ def split_kv(
     scale: float,
     splits: int,
     reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = combine,
+    source: torch.Tensor | None = None,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, 1, D], keys/values [B, KV, L, D] (last dim contiguous), valid [B, L] bool,
     end [B] int64 (slot b reads columns [0, end[b]); the caller bounds it by `width`, the
-    columns any slot may read) -> [B, 1, H * D] in q's dtype. Graph-safe: no host sync; the
-    launch depends on `width` and `splits` only."""
+    columns any slot may read) -> [B, 1, H * D] in q's dtype. `source` [B] int64 and `shared`
+    [1] int64: slot b reads its columns [0, shared) from slot source[b], which holds the same
+    keys and values there (a GRPO group's prompt); None: every slot its own. Graph-safe: no
+    host sync; the launch depends on `width` and `splits` only."""
     b, heads, _, dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     # Fixed `splits` (the buffers' shapes never change with the width; a range past every
     # slot's end writes an lse of -inf), each range a whole number of BLOCK_N columns.
     chunk = math.ceil(math.ceil(width / splits) / BLOCK_N) * BLOCK_N
+    if source is None or shared is None:
+        source = torch.arange(b, device=q.device)
+        shared = torch.zeros(1, dtype=torch.long, device=q.device)
     q3 = q.reshape(b, heads, dim)
     partial = torch.empty(b, kv_heads, splits, GROUP_PAD, dim, device=q.device)
     lse = torch.empty(b, kv_heads, splits, GROUP_PAD, device=q.device)
@@ -222,6 +146,8 @@ def split_kv(
         values,
         valid,
         end,
+        source,
+        shared,
         partial,
         lse,
         q3.stride(0),

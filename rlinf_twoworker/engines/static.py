@@ -265,6 +265,10 @@ class StaticSampler:
         self.tok, self.pos = longs(b, 1), longs(b, 1)
         self.col = longs(b, 1)  # the cache column of the slot's next key
         self.rows = torch.arange(b, device=dev)  # each slot's row of the cache
+        # The slot whose cache holds this slot's prompt columns [0, shared): a GRPO group's
+        # first slot for all its answers (the split-KV kernel reads them there), or itself.
+        self.source = torch.arange(b, device=dev)
+        self.shared = longs(1)
         self.step = longs(b, 1)  # the answer position the slot emits next
         self.done = torch.ones(b, dtype=torch.bool, device=dev)
         self.out = longs(b, self.max_len)
@@ -351,7 +355,7 @@ class StaticSampler:
             q = self._q_stored(kern, index, h, rotary)
             if mask.end is not None:
                 args = (self.valid, mask.end, mask.width, self.scale, self.splits, self.combine)
-                out = split_kv(q, keys, values, *args)
+                out = split_kv(q, keys, values, *args, self.source, self.shared)
             else:
                 out = grouped_matmul(q, keys, values, mask.bias, self.scale, kern.softmax)
         return self.layers[index].self_attn.o_proj(out)
@@ -461,6 +465,7 @@ class StaticSampler:
         self.valid.zero_()
         self.pad.fill_(pad_id)
         self.limit.fill_(max_new)
+        self.source.copy_(self.rows)
         if self.eos_ids != tuple(eos_ids):  # a new tensor: a captured graph must be redone
             self.eos_ids = tuple(eos_ids)
             self.eos = torch.tensor(eos_ids, dtype=torch.long, device=self.k.device)
@@ -520,6 +525,12 @@ class StaticSampler:
             for cache in (self.k, self.v):
                 for layer in cache:  # one layer at a time: no cache-sized temporary
                     layer[into, :, :p] = layer[frm, :, :p]
+        # Every slot also holds its own copy, so a slot whose source is refilled now reads its
+        # own columns again; the filled slots read their prompt's first slot.
+        orphans = torch.isin(self.source, slots)
+        self.source[orphans] = self.rows[orphans]
+        self.source[slots] = slots[source]
+        self.shared.fill_(p)
         if s.repetition_penalty != 1.0:
             self._seed_seen(slots, ids, mask)
         for begin in range(0, len(ids), chunk):  # the picks' working copies: a chunk's rows

@@ -64,19 +64,67 @@ def test_split_kv_equals_the_grouped_product(slots, heads, kv_heads, dim, width,
 
 
 @pytest.mark.skipif(not kernel_available(torch.device("cuda")), reason="needs CUDA and Triton")
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
-def test_sampler_with_split_kv_gives_generate_greedy_answers(arch):
-    """12 prompts of 1-8 tokens in 4 slots (refills into slots with stale caches), greedy,
-    head_dim 16: the kernel's answers equal the grouped product's and generate's."""
+def test_split_kv_reads_the_shared_prompt_from_the_source_slot():
+    """Slots in groups of three share their first slot's prompt columns (`source`, `shared`
+    100: not a whole number of column blocks): the kernel's output equals the grouped
+    product's over caches where every slot holds the prompt itself, though the other slots'
+    prompt columns hold noise."""
+    slots, width, shared = 12, 300, 100
+    q, keys, values, valid, end = _case(slots, 12, 2, 128, 400, width, torch.bfloat16, seed=2)
+    source = torch.arange(slots, device="cuda") // 3 * 3
+    for cache in (keys, values):
+        cache[:, :, :shared] = cache[source][:, :, :shared]
+    valid[:, :shared] = valid[source][:, :shared]
+    bias = torch.zeros(slots, width, device="cuda").masked_fill(~valid[:, :width], -math.inf)
+    reference = grouped_matmul(
+        q.double(),
+        keys.double(),
+        values.double(),
+        bias[:, None, None, :],
+        128**-0.5,
+        masked_softmax,
+    )
+    others = source != torch.arange(slots, device="cuda")
+    for cache in (keys, values):
+        cache[others, :, :shared] = 10 * torch.randn_like(cache[others, :, :shared])
+    prefix = torch.tensor([shared], device="cuda")
+    for splits in (1, 4):
+        out = split_kv(
+            q, keys, values, valid, end, width, 128**-0.5, splits, source=source, shared=prefix
+        )
+        error = (out.double() - reference).abs().max().item()
+        assert error < 2e-2, (splits, error)
+    # Without `source` each slot reads its own (noisy) prompt columns: the test can tell.
+    own = split_kv(q, keys, values, valid, end, width, 128**-0.5, 1)
+    assert (own.double() - reference).abs().max().item() > 0.1
+
+
+def _tiny_cuda_lm(arch):
+    """head_dim 16: the smallest the kernel takes."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = tiny_lm(arch, vocab=61, hidden=64, seed=None, max_position_embeddings=128)
         with torch.no_grad():
             model.lm_head.weight.mul_(4.0)
-    model = model.cuda()
+    return model.cuda()
+
+
+def _grpo_rows():
+    """4 prompts of 1-8 tokens x 3 answers each, left-padded to 8 (pad id 0)."""
     generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 61, (1 + i % 8,), generator=generator).tolist() for i in range(12)]
+    prompts = [torch.randint(3, 61, (1 + 2 * i,), generator=generator).tolist() for i in range(4)]
     ids, mask = left_pad(prompts, pad_id=0, width=8)
+    return ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
+
+
+@pytest.mark.skipif(not kernel_available(torch.device("cuda")), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+def test_sampler_with_split_kv_gives_generate_greedy_answers(arch):
+    """GRPO rows (4 prompts x 3 answers) in 4 slots (refills into slots with stale caches,
+    a group's prompt read from its first slot), greedy, head_dim 16: the kernel's answers
+    equal the grouped product's and generate's."""
+    model = _tiny_cuda_lm(arch)
+    ids, mask = _grpo_rows()
     greedy = SamplingSettings(do_sample=False)
     kernel = StaticSampler(model, 4, 8 + 40, attention="split_kv")
     assert kernel.attention == "split_kv" and kernel.compiled
@@ -93,3 +141,22 @@ def test_sampler_with_split_kv_gives_generate_greedy_answers(arch):
         pad_token_id=0,
     )[:, 8:].cpu()
     assert torch.equal(answers, reference)
+
+
+@pytest.mark.skipif(not kernel_available(torch.device("cuda")), reason="needs CUDA and Triton")
+def test_sampled_answers_with_split_kv_equal_the_grouped_products():
+    """Sampled GRPO rows ending at varied lengths in 5 slots, so a group's first slot takes
+    another prompt while the group's other answers still read it: with one seed, the kernel
+    draws the same answers as the grouped product (both sample from softmax(logits))."""
+    model = _tiny_cuda_lm("qwen2")
+    ids, mask = _grpo_rows()
+    sampled = SamplingSettings(do_sample=True)
+    answers = {}
+    for attention in ("split_kv", "grouped"):
+        sampler = StaticSampler(model, 5, 8 + 40, attention=attention)
+        torch.manual_seed(0)
+        answers[attention] = sampler.generate(ids, mask, 40, [3, 4, 5], 0, sampled)
+        assert sampler.stats.refilled_rows == 7
+    assert torch.equal(answers["split_kv"], answers["grouped"])
+    ends = [[i for i, t in enumerate(row) if t in (3, 4, 5)] for row in answers["grouped"].tolist()]
+    assert len({e[0] if e else 40 for e in ends}) >= 3

@@ -173,6 +173,40 @@ def test_a_groups_prompt_is_prefilled_once_and_its_answers_stay_generates(arch, 
     assert len({tuple(row) for row in sampled[:4].tolist()}) > 1
 
 
+def test_each_slot_reads_its_prompt_from_a_slot_that_holds_it():
+    """The split-KV kernel reads a slot's prompt columns from `source[slot]` (its group's first
+    slot). Sampled GRPO rows (4 prompts x 3 answers) ending at varied lengths in 5 slots, so a
+    group's first slot is refilled while others of its group still decode: after every fill,
+    each slot's source holds that slot's prompt keys, values and mask (its own slot once the
+    source has taken another prompt), and a group's later slots point at its first."""
+    model = _tiny_lm("qwen2")
+    base_ids, base_mask = _prompts(4)
+    ids, mask = base_ids.repeat_interleave(3, 0), base_mask.repeat_interleave(3, 0)
+    sampler = StaticSampler(model, 5, WIDTH + NEW)
+    checks = {"fills": 0, "shared": 0, "orphaned": 0}
+    fill = sampler._fill
+
+    def checked_fill(free, slots, *args):
+        before = sampler.source.clone()
+        fill(free, slots, *args)
+        checks["fills"] += 1
+        for slot in range(5):
+            src = int(sampler.source[slot])
+            assert torch.equal(sampler.k[:, src, :, :WIDTH], sampler.k[:, slot, :, :WIDTH])
+            assert torch.equal(sampler.v[:, src, :, :WIDTH], sampler.v[:, slot, :, :WIDTH])
+            assert torch.equal(sampler.valid[src, :WIDTH], sampler.valid[slot, :WIDTH])
+            checks["shared"] += src != slot
+            was = int(before[slot])
+            checks["orphaned"] += slot not in free.tolist() and was != slot and src == slot
+
+    sampler._fill = checked_fill
+    torch.manual_seed(0)
+    answers = sampler.generate(ids, mask, NEW, [3, 4, 5], 0, SamplingSettings(do_sample=True))
+    assert sampler.stats.refilled_rows == 7 and checks["fills"] >= 3
+    assert len(set(_lengths(answers, [3, 4, 5]))) >= 3
+    assert checks["shared"] > 0 and checks["orphaned"] > 0, checks
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_more_slots_than_rows_and_answers_of_max_new_tokens(device):
     """3 rows in 8 slots (5 idle) with no EOS: every answer is max_new long, as one batch's."""
