@@ -74,7 +74,11 @@ def test_split_kv_reads_the_shared_prompt_from_the_source_slot():
     source = torch.arange(slots, device="cuda") // 3 * 3
     for cache in (keys, values):
         cache[:, :, :shared] = cache[source][:, :, :shared]
-    valid[:, :shared] = valid[source][:, :shared]
+    # Live slots, as in the sampler: past the prompt, each with its group's padding.
+    end.clamp_(min=shared + 1)
+    prompt = valid[source][:, :shared]
+    valid = torch.arange(400, device="cuda")[None, :] < end[:, None]
+    valid[:, :shared] = prompt
     bias = torch.zeros(slots, width, device="cuda").masked_fill(~valid[:, :width], -math.inf)
     reference = grouped_matmul(
         q.double(),
