@@ -22,8 +22,10 @@ few kernels (engines/static_kernels.py): the q/k/v and gate/up projections run a
 decode attention reads the grouped KV cache in place (no per-head copies) and on GPUs the
 elementwise pieces (residual + RMSNorm, rotary, masked softmax, SwiGLU) are fused by
 `torch.compile`; a prefill, whose row count changes from one refill to the next, runs them
-eagerly. Sampling (temperature, top-k, top-p, and HF's repetition penalty) stays on the GPU.
-Exactness: greedy decoding gives the same tokens as `generate`, with or without a repetition
+eagerly. With many slots on a GPU, decode attention is a split-KV Triton kernel instead
+(engines/decode_attention.py): each slot reads only its own filled columns, and a GRPO group's
+slots read their prompt's columns from the group's first slot. Sampling (temperature, top-k,
+top-p, and HF's repetition penalty) stays on the GPU. Exactness: greedy decoding gives the same tokens as `generate`, with or without a repetition
 penalty, and the same answers whatever the number of slots; sampling draws from
 softmax(logits / T) at every step (all tested). Qwen3's per-head RMSNorm of q and k runs before
 the rotary embedding, and its head_dim need not be hidden_size / heads. Attention is full
