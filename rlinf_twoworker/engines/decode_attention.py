@@ -1,12 +1,13 @@
 """Decode attention of the static sampler: one query token per slot against that slot's KV cache,
 reading only the columns the slot has filled.
 
-Two implementations of one function, `decode_attention(q, keys, values, valid, end, width)`:
+Two implementations of a decode step's attention:
 
 - `grouped_matmul` (every device): the query heads of each KV head grouped into one matrix
   product with the cache's first `width` columns, a masked float32 softmax, a second product.
   It reads `width` columns of every slot, `width` being the longest live answer's bound.
-- `split_kv` (CUDA, with Triton): a flash-decoding kernel. Each (slot, KV head) is cut into
+- `split_kv` (CUDA, with Triton; on CPU tensors under Triton's interpreter, TRITON_INTERPRET=1,
+  which the tests use): a flash-decoding kernel. Each (slot, KV head) is cut into
   `splits` column ranges, one program each; a program reads its range only up to the slot's
   own end (`end[b]`, the column after its newest key), keeps an online softmax in float32 and
   writes a partial output with its log-sum-exp; a small reduction combines the ranges. A slot
@@ -14,7 +15,7 @@ Two implementations of one function, `decode_attention(q, keys, values, valid, e
   or probabilities go through memory. A GRPO group's slots read their common prompt columns
   from one slot (`source`), adjacent programs, so the group's prompt comes from memory about
   once and from cache after. Its results equal the grouped product's up to rounding (float32
-  scores instead of the bf16 product's): tests/integration/test_gpu_decode.py.
+  scores instead of the bf16 product's): tests/unit/test_decode_attention.py.
 
 `end` and `valid` together say which columns a slot attends to: [0, end[b]) holds the prompt
 (its left padding marked invalid in `valid`) and the answer so far; nothing at or past
@@ -24,6 +25,7 @@ Two implementations of one function, `decode_attention(q, keys, values, valid, e
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -64,9 +66,20 @@ def kernel_supports(q_heads: int, kv_heads: int, head_dim: int) -> bool:
     return group <= GROUP_PAD and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
+INTERPRETED_BLOCK_N = 64
+"""The column block under Triton's interpreter, which has no GPU to tune on."""
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs its programs (TRITON_INTERPRET=1): on CPU tensors,
+    slowly, for tests."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def kernel_available(device: torch.device) -> bool:
-    """Whether split_kv can run on `device`: a CUDA device and an importable Triton."""
-    if device.type != "cuda":
+    """Whether split_kv can run on `device`: an importable Triton and a CUDA device, or a CPU
+    one under Triton's interpreter."""
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         return False
     try:
         import triton  # noqa: F401
@@ -76,6 +89,10 @@ def kernel_available(device: torch.device) -> bool:
 
 
 def _sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 for the interpreter's CPU (a few ranges,
+    so its runs take the reduction's path too)."""
+    if device.type != "cuda":
+        return 4
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
@@ -96,11 +113,16 @@ def kernel_pays(slots: int, kv_heads: int, device: torch.device) -> bool:
     return slots * kv_heads >= 2 * _sms(device)
 
 
-def _kernel() -> Any:
-    """The Triton program (engines/decode_kernel.py imports Triton: only on CUDA machines)."""
+def _launcher(grid: tuple[int, int]) -> Any:
+    """The Triton program launched over `grid` (engines/decode_kernel.py imports Triton only
+    when the kernel first runs): tuned on a GPU, one fixed column block when interpreted."""
     from rlinf_twoworker.engines.decode_kernel import split_kv_partial
 
-    return split_kv_partial
+    if not interpreting():
+        return split_kv_partial[grid]
+    return lambda *args, **kwargs: split_kv_partial.fn[grid](
+        *args, BLOCK_N=INTERPRETED_BLOCK_N, **kwargs
+    )
 
 
 def combine(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -143,7 +165,7 @@ def split_kv(
     q3 = q.reshape(b, heads, dim)
     partial = torch.empty(b, kv_heads, splits, GROUP_PAD, dim, device=q.device)
     lse = torch.empty(b, kv_heads, splits, GROUP_PAD, device=q.device)
-    _kernel()[(b * kv_heads, splits)](
+    _launcher((b * kv_heads, splits))(
         q3,
         keys,
         values,

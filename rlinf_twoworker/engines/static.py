@@ -236,9 +236,10 @@ class StaticSampler:
             shapes = (self.heads, self.kv_heads, self.head_dim)
             if not (kernel_available(p.device) and kernel_supports(*shapes)):
                 raise TwoWorkerError(
-                    "static sampler: the split_kv decode attention runs on CUDA with Triton, at "
-                    "most 16 query heads a KV head and a power-of-two head_dim >= 16; this "
-                    f"model is on {p.device} with (heads, KV heads, head_dim) {shapes}; use "
+                    "static sampler: the split_kv decode attention runs on CUDA with Triton "
+                    "(on CPU only under Triton's interpreter, TRITON_INTERPRET=1), at most 16 "
+                    "query heads a KV head and a power-of-two head_dim >= 16; this model is on "
+                    f"{p.device} with (heads, KV heads, head_dim) {shapes}; use "
                     "attention='grouped'"
                 )
             self.splits = splits_for(batch, self.kv_heads, max_len, p.device)
@@ -250,8 +251,10 @@ class StaticSampler:
         wanted = os.environ.get("RLINF_DECODE_ATTENTION")
         if wanted in ATTENTIONS:
             return wanted
-        runs = kernel_available(device) and kernel_supports(
-            self.heads, self.kv_heads, self.head_dim
+        runs = (
+            device.type == "cuda"  # never the interpreter unasked
+            and kernel_available(device)
+            and kernel_supports(self.heads, self.kv_heads, self.head_dim)
         )
         return "split_kv" if runs and kernel_pays(self.batch, self.kv_heads, device) else "grouped"
 
