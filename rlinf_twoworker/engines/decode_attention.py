@@ -61,9 +61,10 @@ def grouped_matmul(
 
 def kernel_supports(q_heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether split_kv handles these shapes: at most GROUP_PAD query heads per KV head and a
-    power-of-two head_dim of at least 16 (the matrix unit's tile)."""
+    power-of-two head_dim from 16 (the matrix unit's tile) to 128 (the largest measured; a
+    program holds a GROUP_PAD x head_dim float32 accumulator)."""
     group = q_heads // kv_heads
-    return group <= GROUP_PAD and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    return group <= GROUP_PAD and 16 <= head_dim <= 128 and head_dim & (head_dim - 1) == 0
 
 
 INTERPRETED_BLOCK_N = 64

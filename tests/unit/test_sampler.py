@@ -15,6 +15,7 @@ from support import tiny_lm
 from rlinf_twoworker.api.demo import build_tokenizer, demo_config, make_inputs
 from rlinf_twoworker.config import to_typed
 from rlinf_twoworker.config.settings import rollout_settings
+from rlinf_twoworker.engines.decode_attention import kernel_supports
 from rlinf_twoworker.engines.models import load_causal_lm, load_tokenizer
 from rlinf_twoworker.engines.static import (
     SamplingSettings,
@@ -510,3 +511,8 @@ def test_decode_attention_choice_is_checked():
         StaticSampler(model, 2, 16, attention="split_kv")
     with pytest.raises(ValueError, match="flash.*not one of"):
         StaticSampler(model, 2, 16, attention="flash")
+    # The kernel's shapes: up to 16 query heads a KV head, a power-of-two head_dim in 16..128.
+    assert kernel_supports(12, 2, 128) and kernel_supports(16, 1, 16)
+    assert not kernel_supports(40, 2, 128)  # 20 query heads a KV head
+    assert not kernel_supports(8, 2, 256) and not kernel_supports(4, 2, 8)
+    assert not kernel_supports(4, 2, 96)
