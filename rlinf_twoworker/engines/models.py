@@ -234,15 +234,21 @@ T = TypeVar("T")
 
 
 def run_or_eager(
-    run: Callable[[], T], compiled: bool, go_eager: Callable[[], None], what: str, then: str
+    run: Callable[[], T],
+    compiled: bool,
+    go_eager: Callable[[], None],
+    what: str,
+    then: str,
+    failed: Callable[[BaseException], bool] = compiler_failed,
 ) -> T:
-    """`run()`; if it has compiled code (`compiled`) and the compiler fails in it, warn
-    "<what> failed (<error>); <then>", call `go_eager` and run it once more. Other errors, and
-    any error of an eager run, propagate. `run` must be safe to repeat after a failure."""
+    """`run()`; if it has compiled code (`compiled`) and the compiler fails in it (`failed`),
+    warn "<what> failed (<error>); <then>", call `go_eager` and run it once more. Other
+    errors, and any error of an eager run, propagate. `run` must be safe to repeat after a
+    failure."""
     try:
         return run()
     except Exception as exc:
-        if not (compiled and compiler_failed(exc)):
+        if not (compiled and failed(exc)):
             raise
         warnings.warn(f"{what} failed ({type(exc).__name__}: {exc}); {then}", stacklevel=2)
         go_eager()

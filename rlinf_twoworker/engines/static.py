@@ -400,11 +400,23 @@ class StaticSampler:
         s: SamplingSettings,
     ) -> torch.Tensor:
         """Left-padded prompts [R, P], any number of rows -> answers [R, <= max_new] in the
-        same order, padded with pad_id after EOS. A torch.compile failure switches the kernels
-        to eager with a warning and generates again; every other error (out of memory, the
-        model's own) propagates."""
+        same order, padded with pad_id after EOS. A failure of Triton in the split-KV kernel
+        switches decode attention to the grouped product, a torch.compile failure the kernels
+        to eager, each with a warning, and generates again; every other error (out of memory,
+        the model's own) propagates."""
+
+        def with_this_attention() -> torch.Tensor:
+            return run_or_eager(
+                lambda: self._generate(ids, mask, max_new, eos_ids, pad_id, s),
+                self.attention == "split_kv",
+                self._use_grouped,
+                "the split-KV decode attention kernel",
+                "decoding with the grouped matrix product",
+                failed=_triton_failed,
+            )
+
         return run_or_eager(
-            lambda: self._generate(ids, mask, max_new, eos_ids, pad_id, s),
+            with_this_attention,
             self.compiled,
             self._go_eager,
             "compiled sampler kernels",
@@ -414,6 +426,10 @@ class StaticSampler:
     def _go_eager(self) -> None:
         self._set_kernels(False)
         self.graphs = {}  # they replay the compiled kernels
+
+    def _use_grouped(self) -> None:
+        self.attention = "grouped"
+        self.graphs = {}  # they replay the kernel
 
     @torch.no_grad()
     def _generate(
@@ -647,6 +663,12 @@ class StaticSampler:
         for buf, saved in zip(self._state(), snapshot):
             buf.copy_(saved)
         graph.replay()
+
+
+def _triton_failed(exc: BaseException) -> bool:
+    """Whether `exc` is Triton's own (compiling or launching a program: the split-KV kernel's
+    errors), not torch.compile's, which wraps what it meets."""
+    return (type(exc).__module__ or "").startswith("triton")
 
 
 @functools.cache

@@ -22,6 +22,7 @@ import pytest
 import torch
 from support import tiny_lm
 
+from rlinf_twoworker.engines import decode_attention
 from rlinf_twoworker.engines.decode_attention import (
     grouped_matmul,
     kernel_available,
@@ -41,7 +42,7 @@ except ImportError:
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-CPU_CASES = 7
+CPU_CASES = 8
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -224,3 +225,28 @@ def test_sampled_answers_with_split_kv_equal_the_grouped_products(device):
     assert torch.equal(answers["split_kv"], answers["grouped"])
     ends = [[i for i, t in enumerate(row) if t in (3, 4, 5)] for row in answers["grouped"].tolist()]
     assert len({e[0] if e else new for e in ends}) >= 3
+
+
+def test_a_failing_kernel_falls_back_to_the_grouped_product(device, monkeypatch):
+    """Triton failing in the kernel (here its launch raising Triton's own out-of-resources
+    error, as a GPU with less shared memory than the tuned blocks need would) costs a warning
+    and the kernel, not the rollout: the sampler decodes with the grouped product from then on,
+    and its answers are the product's."""
+    from triton.runtime.errors import OutOfResources
+
+    model = _tiny_lm("qwen2", device)
+    ids, mask = _grpo_rows()
+    greedy = SamplingSettings(do_sample=False)
+    expected = StaticSampler(model, 4, 8 + 12, attention="grouped").generate(
+        ids, mask, 12, [-1], 0, greedy
+    )
+
+    def launcher(grid):
+        raise OutOfResources(262144, 232448, "shared memory")
+
+    monkeypatch.setattr(decode_attention, "_launcher", launcher)
+    sampler = StaticSampler(model, 4, 8 + 12, attention="split_kv")
+    with pytest.warns(UserWarning, match=r"split-KV decode attention kernel failed \(OutOfRes"):
+        answers = sampler.generate(ids, mask, 12, [-1], 0, greedy)
+    assert sampler.attention == "grouped"
+    assert torch.equal(answers, expected)
