@@ -153,7 +153,8 @@ class RunStats:
     """Rows prefilled into a slot that another row's finished answer had left."""
     decode_steps: int = 0
     read_columns: int = 0
-    """Cache columns decode attention read per slot, summed over the decode steps."""
+    """The decode steps' read widths summed: the cache columns the grouped product reads per
+    slot (the split-KV kernel reads at most that, each slot only its own filled columns)."""
 
     @property
     def mean_read_fraction(self) -> float:
