@@ -116,14 +116,12 @@ def test_the_table_says_which_workers_are_async():
         assert entry.asynchronous == has_async, entry.name
 
 
-def test_a_process_made_by_name_imports_its_worker_only_ahead_of_its_load(tmp_path):
+def test_a_process_made_by_name_imports_its_worker_only_ahead_of_its_load(tmp_path, own_process):
     """In a fresh interpreter: the process of a component made from its worker's name answers
     where it runs without importing torch or the worker's module; import_ahead imports the
     worker, transformers and the model's family module (what the model load would) and
     nothing of the model's weights."""
     import json
-    import subprocess
-    import sys
 
     from rlinf_twoworker.api.demo import demo_config, make_inputs
 
@@ -148,58 +146,40 @@ def test_a_process_made_by_name_imports_its_worker_only_ahead_of_its_load(tmp_pa
     from omegaconf import OmegaConf
 
     as_json = json.dumps(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
-    done = subprocess.run(
-        [sys.executable, "-c", script, as_json], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    answer = own_process(script, as_json, timeout=300)
     assert answer["before"] == [] and len(answer["after"]) == 3, answer
     assert answer["missing"] == [] and answer["seconds"] > 0
 
 
-def test_the_reward_process_answers_without_importing_torch():
+def test_the_reward_process_answers_without_importing_torch(own_process):
     """The reward never needs torch: its first answers (where, its start-up report) and its
     scores come without it, so neither the start-up nor step 1's grading waits on a torch
     import (3 s on the H200 host)."""
-    import subprocess
-    import sys
-
     script = (
-        "import sys, time\n"
+        "import json, sys, time\n"
         "from rlinf_twoworker.workers.process import place, process_memory, process_times\n"
         "import rlinf_twoworker.workers.reward\n"
         "place('reward', 0); process_times(time.time()); process_memory()\n"
         "from rlinf_twoworker.messages import Graded\n"  # what score() returns
-        "print('torch' in sys.modules)\n"
+        "print(json.dumps('torch' in sys.modules))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "False"
+    assert own_process(script, timeout=120) is False
 
 
-def test_the_controller_process_starts_without_torch():
+def test_the_controller_process_starts_without_torch(own_process):
     """The run's controller places the run and starts the components before it needs torch
     (its training modules import in a thread, beside the preflight): importing its module,
     and the memory plan's and checkpoint schedule's, imports neither torch nor transformers;
     the training modules it imports later are importable and bring torch."""
-    import subprocess
-    import sys
-
     script = (
-        "import sys\n"
+        "import json, sys\n"
         "import rlinf_twoworker.run.controller as c\n"
         "import rlinf_twoworker.cluster.memory_plan, rlinf_twoworker.storage.checkpoints\n"
         "before = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
         "seconds = c._import_training()\n"
-        "print(before, 'torch' in sys.modules, seconds > 0)\n"
+        "print(json.dumps([before, 'torch' in sys.modules, seconds > 0]))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "[] True True"
+    assert own_process(script, timeout=300) == [[], True, True]
 
 
 def test_import_ahead_leaves_the_compiler_to_a_thread_on_gpus_only(tmp_path):

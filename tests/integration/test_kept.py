@@ -115,20 +115,13 @@ def test_kept_processes_end_with_their_driver_release_kept_or_a_failure(
         )
 
 
-def test_release_kept_without_a_cluster_frees_nothing_and_starts_no_ray():
+def test_release_kept_without_a_cluster_frees_nothing_and_starts_no_ray(own_process):
     """In a process not connected to Ray (a unit test module's end, trial_resources before a
     cluster exists): release_kept answers 0 and leaves Ray unstarted, where Ray's own calls
     would start a local instance to ask."""
-    import subprocess
-    import sys
-
     script = (
-        "import ray\n"
+        "import json, ray\n"
         "from rlinf_twoworker import release_kept\n"
-        "print(release_kept(), ray.is_initialized())\n"
+        "print(json.dumps([release_kept(), ray.is_initialized()]))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "0 False"
+    assert own_process(script, timeout=120) == [0, False]
