@@ -89,6 +89,23 @@ def kernel_available(device: torch.device) -> bool:
     return True
 
 
+def kernel_refusal(device: torch.device, q_heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why split_kv cannot run for this device and these shapes (kernel_available,
+    kernel_supports), or None when it can."""
+    if not kernel_available(device):
+        return (
+            "runs on CUDA with Triton (on CPU only under Triton's interpreter, "
+            f"TRITON_INTERPRET=1), and this model is on {device}"
+        )
+    if not kernel_supports(q_heads, kv_heads, head_dim):
+        return (
+            f"takes at most {GROUP_PAD} query heads a KV head and a power-of-two head_dim from "
+            f"16 to 128, and this model has (heads, KV heads, head_dim) "
+            f"{(q_heads, kv_heads, head_dim)}"
+        )
+    return None
+
+
 def _sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; 4 for the interpreter's CPU (a few ranges,
     so its runs take the reduction's path too)."""

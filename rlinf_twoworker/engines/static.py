@@ -25,8 +25,9 @@ elementwise pieces (residual + RMSNorm, rotary, masked softmax, SwiGLU) are fuse
 eagerly. With many slots on a GPU, decode attention is a split-KV Triton kernel instead
 (engines/decode_attention.py): each slot reads only its own filled columns, and a GRPO group's
 slots read their prompt's columns from the group's first slot. Sampling (temperature, top-k,
-top-p, and HF's repetition penalty) stays on the GPU. Exactness: greedy decoding gives the same tokens as `generate`, with or without a repetition
-penalty, and the same answers whatever the number of slots; sampling draws from
+top-p, and HF's repetition penalty) stays on the GPU. Exactness: greedy decoding gives the
+same tokens as `generate`, with or without a repetition penalty, and the same answers whatever
+the number of slots; sampling draws from
 softmax(logits / T) at every step (all tested). Qwen3's per-head RMSNorm of q and k runs before
 the rotary embedding, and its head_dim need not be hidden_size / heads. Attention is full
 attention: a model whose config slides a window shorter than the sequence is refused
@@ -48,9 +49,8 @@ import torch.nn.functional as F
 from rlinf_twoworker.engines.decode_attention import (
     combine,
     grouped_matmul,
-    kernel_available,
     kernel_pays,
-    kernel_supports,
+    kernel_refusal,
     split_kv,
     splits_for,
 )
@@ -234,13 +234,10 @@ class StaticSampler:
         if self.attention not in ATTENTIONS:
             raise ValueError(f"decode attention {self.attention!r} is not one of {ATTENTIONS}")
         if self.attention == "split_kv":
-            shapes = (self.heads, self.kv_heads, self.head_dim)
-            if not (kernel_available(p.device) and kernel_supports(*shapes)):
+            refusal = kernel_refusal(p.device, self.heads, self.kv_heads, self.head_dim)
+            if refusal is not None:
                 raise TwoWorkerError(
-                    "static sampler: the split_kv decode attention runs on CUDA with Triton "
-                    "(on CPU only under Triton's interpreter, TRITON_INTERPRET=1), at most 16 "
-                    "query heads a KV head and a power-of-two head_dim >= 16; this model is on "
-                    f"{p.device} with (heads, KV heads, head_dim) {shapes}; use "
+                    f"static sampler: the split_kv decode attention {refusal}; use "
                     "attention='grouped'"
                 )
             self.splits = splits_for(batch, self.kv_heads, max_len, p.device)
@@ -254,8 +251,7 @@ class StaticSampler:
             return wanted
         runs = (
             device.type == "cuda"  # never the interpreter unasked
-            and kernel_available(device)
-            and kernel_supports(self.heads, self.kv_heads, self.head_dim)
+            and kernel_refusal(device, self.heads, self.kv_heads, self.head_dim) is None
         )
         return "split_kv" if runs and kernel_pays(self.batch, self.kv_heads, device) else "grouped"
 
