@@ -16,6 +16,7 @@ kernel table of a decode.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -132,14 +133,21 @@ def part1() -> list[dict]:
     return rows
 
 
-def part2(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
+@functools.cache
+def _model():
+    """The 1.5B shape with random bf16 weights on the GPU, loaded once for parts 2 and 3."""
     from bench_gpu import make_model_dir
 
     from rlinf_twoworker.engines.models import load_causal_lm
-    from rlinf_twoworker.engines.static import SamplingSettings, StaticSampler
 
     model_dir = make_model_dir(Path("/tmp/rlinf-bench"))
-    model = load_causal_lm(model_dir, torch.bfloat16, torch.device("cuda")).eval()
+    return load_causal_lm(model_dir, torch.bfloat16, torch.device("cuda")).eval()
+
+
+def part2(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
+    from rlinf_twoworker.engines.static import SamplingSettings, StaticSampler
+
+    model = _model()
     settings = SamplingSettings()
     rows = []
     runs = [("grouped", 8), ("split_kv", 8), ("split_kv", 1)] * repeats
@@ -175,13 +183,9 @@ def part2(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
 def part3() -> str:
     """Kernel table of the sampler's decode at 256 slots, reading 1,100-1,300 columns (a 1024-
     token prompt, 256 new tokens), with the attention the sampler picks."""
-    from bench_gpu import make_model_dir
-
-    from rlinf_twoworker.engines.models import load_causal_lm
     from rlinf_twoworker.engines.static import SamplingSettings, StaticSampler
 
-    model_dir = make_model_dir(Path("/tmp/rlinf-bench"))
-    model = load_causal_lm(model_dir, torch.bfloat16, torch.device("cuda")).eval()
+    model = _model()
     ids = torch.randint(100, 150000, (256, 1024), device="cuda")
     mask = torch.ones_like(ids)
     sampler = StaticSampler(model, 256, 1024 + 256)
