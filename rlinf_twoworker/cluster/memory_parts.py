@@ -266,7 +266,8 @@ def logprob_parts(cfg: GRPOConfig, shape: ModelShape, precision: str) -> dict[st
 
 def rollout_parts(cfg: GRPOConfig, shape: ModelShape) -> dict[str, int]:
     """The rollout copy: its weights, the KV cache of the rows decoded together, the prefill's
-    activations and the sampler's logits."""
+    activations and the decode step's logits with their sampling noise (float32; the compiled
+    step samples in one pass over both, engines/static_kernels.exponential_race)."""
     gpu = cfg.cluster.accelerator == "cuda"
     size = BYTES[cfg.rollout.model.precision] if gpu else 4
     rows = cfg.data.rollout_batch_size * cfg.algorithm.group_size
@@ -278,7 +279,7 @@ def rollout_parts(cfg: GRPOConfig, shape: ModelShape) -> dict[str, int]:
         "activations": min(slots * prompt, PREFILL_TOKENS)
         * size
         * (4 * shape.hidden + 3 * shape.intermediate),
-        "logits": slots * shape.vocab * 4 * 3,
+        "logits": slots * shape.vocab * (size + 4),
     }
 
 

@@ -592,12 +592,14 @@ class StaticSampler:
     ) -> torch.Tensor:
         """The next token of each slot (`slots` None: all of them); under a repetition
         penalty, the penalty first and the picked tokens marked seen (graph-safe for all
-        slots: fixed shapes, no host sync)."""
+        slots: fixed shapes, no host sync). A decode step samples with the step's kernels (one
+        fused pass over the logits when compiled), a prefill eagerly (its row count varies)."""
+        race = (EAGER if slots is not None else self.kernels).race
         if s.repetition_penalty == 1.0:
-            return pick_tokens(logits, s)
+            return pick_tokens(logits, s, race)
         assert self.seen is not None, "_seed_seen runs before the first pick"
         seen = self.seen if slots is None else self.seen[slots]
-        tokens = pick_tokens(penalize_repeats(logits, seen, s.repetition_penalty), s)
+        tokens = pick_tokens(penalize_repeats(logits, seen, s.repetition_penalty), s, race)
         if slots is None:
             self.seen.scatter_(1, tokens.unsqueeze(1), True)
         else:

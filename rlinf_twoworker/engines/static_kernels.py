@@ -158,11 +158,26 @@ def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -
     return torch.where(seen, penalized, logits)
 
 
-def pick_tokens(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
-    """Next token per row from [B, V] logits (greedy, or sampled after top-k / top-p)."""
+def exponential_race(logits: torch.Tensor, noise: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The sampled token per row of [B, V] logits, given Exponential(1) `noise` of the same
+    shape in float32: argmax(p / E) = argmax(logits / T - log E) ~ Categorical(softmax(logits /
+    T)), since log p differs from logits / T by a per-row constant (Gumbel-max in another form),
+    so no softmax over the vocabulary is needed. Compiled, it is one pass over the logits and
+    the noise; eagerly, several float32 copies of them."""
+    return (logits.float() / temperature - noise.log()).argmax(-1)
+
+
+def pick_tokens(
+    logits: torch.Tensor, s: SamplingSettings, race: Callable = exponential_race
+) -> torch.Tensor:
+    """Next token per row from [B, V] logits (greedy, or sampled after top-k / top-p); `race`:
+    exponential_race or its compiled form. Graph-safe (fixed shapes, no host sync), unlike
+    torch.multinomial's host-side checks."""
     if not s.do_sample:
         return logits.argmax(-1)
-    logits = logits.float() / s.temperature
+    temperature = s.temperature
+    if s.top_k is not None or s.top_p < 1.0:
+        logits, temperature = logits.float() / temperature, 1.0
     if s.top_k is not None:
         kth = logits.topk(s.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -172,11 +187,8 @@ def pick_tokens(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
         drop_sorted = cumulative <= 1 - s.top_p
         drop_sorted[:, -1] = False  # always keep the most likely token
         logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
-    # Exponential race (Gumbel-max in another form): argmax(p / E) = argmax(log p - log E) ~
-    # Categorical(p), and log p differs from the logits by a per-row constant, so no softmax
-    # over the vocabulary is needed. Graph-safe, unlike torch.multinomial's host-side checks.
-    noise = torch.empty_like(logits).exponential_(1).log_()
-    return (logits - noise).argmax(-1)
+    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(1)
+    return race(logits, noise, temperature)
 
 
 class Kernels(NamedTuple):
@@ -189,6 +201,7 @@ class Kernels(NamedTuple):
     rope_store: Callable
     softmax: Callable
     swiglu: Callable
+    race: Callable
 
 
 EAGER = Kernels(
@@ -199,6 +212,7 @@ EAGER = Kernels(
     rope_store,
     masked_softmax,
     swiglu,
+    exponential_race,
 )
 
 

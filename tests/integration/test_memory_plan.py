@@ -149,7 +149,7 @@ def test_each_part_matches_the_hand_computed_size(tiny):
         "weights": PARAMS * 2,
         "kv_cache": 16 * 1024 * 32 * 2,  # 16 rows decoded together over 1024 tokens, bf16
         "activations": 16 * 256 * 2 * (4 * 16 + 3 * 32),
-        "logits": 16 * 64 * 12,
+        "logits": 16 * 64 * (2 + 4),  # bf16 logits and float32 sampling noise per slot
     }
     inference = mparts.logprob_parts(cfg, shape, "bf16")
     assert inference["weights"] == PARAMS * 2

@@ -136,6 +136,25 @@ def test_top_k_and_top_p_filter_the_tail():
     assert set(greedy.tolist()) == {0}
 
 
+def test_the_compiled_race_picks_the_eager_races_tokens():
+    """The decode step samples through the compiled race (one fused pass over the logits and
+    the noise); given the same noise it picks what the eager race picks, at any temperature,
+    with bf16 or float32 logits and with top-k's -inf entries."""
+    from rlinf_twoworker.engines import static_kernels as sk
+
+    torch._dynamo.reset()
+    compiled = sk.compiled_kernels("inductor").race
+    torch.manual_seed(0)
+    logits = torch.randn(64, 3000) * 4
+    logits[:, ::3] = float("-inf")  # what a top-k or top-p filter leaves
+    for dtype in (torch.bfloat16, torch.float32):
+        for temperature in (1.0, 0.6):
+            noise = torch.empty(logits.shape).exponential_(1)
+            eager = sk.exponential_race(logits.to(dtype), noise, temperature)
+            assert torch.equal(compiled(logits.to(dtype), noise, temperature), eager)
+            assert (eager % 3 != 0).all()  # never an -inf entry
+
+
 def test_llama_without_projection_biases_matches_generate():
     """The bias-free q/k/v path (Llama) and a non-SiLU MLP, which keeps the model's own MLP."""
     from transformers import LlamaConfig, LlamaForCausalLM
