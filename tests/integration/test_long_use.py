@@ -111,11 +111,15 @@ def blocked_on_fifo(pid: int) -> bool:
 
 
 def unstall(fifo: Path, kept: Path, timeout: float = 10) -> str:
-    """Open the FIFO for reading (the write blocked on it goes on), put the real file back in
-    its place (later writes land there), and return what came through the FIFO."""
-    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    """Move the FIFO aside and put the real file back in its place, then open the FIFO for
+    reading (the write blocked on it goes on) and return what came through it. In that order,
+    every open after the blocked one lands in the real file: reading first would let a fast
+    writer open the FIFO again before the file is back, and its lines would be piped away."""
+    aside = fifo.with_name(fifo.name + ".stalled")
+    os.replace(fifo, aside)  # the blocked open() already holds the FIFO itself, not its name
+    os.replace(kept, fifo)
+    reader = os.open(aside, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        os.replace(kept, fifo)
         piped, deadline = b"", time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -129,6 +133,7 @@ def unstall(fifo: Path, kept: Path, timeout: float = 10) -> str:
         return piped.decode(errors="replace")
     finally:
         os.close(reader)
+        os.unlink(aside)
 
 
 # ---- the tests -------------------------------------------------------------------------------
