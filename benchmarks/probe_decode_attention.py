@@ -10,7 +10,9 @@ in [256, W] ("mixed"); microseconds per call (CUDA events, median of 5 x 50 call
 largest difference from a float32 reference. Part 2: the sampler's generate() at B slots and N
 new tokens after a 256-token prompt, GRPO groups of 8 answers a prompt, each attention (and the
 kernel on distinct prompts, which share nothing), seconds and generated tokens/s. Part 3: the
-kernel table of a decode.
+kernel table of a decode. Part 4: the sampler's generate() as in part 2 (groups of 8, the
+attention the sampler picks) with the sampling race compiled (the default) against eager, the
+two interleaved.
 """
 
 from __future__ import annotations
@@ -202,6 +204,44 @@ def part3() -> str:
     return f"attention={sampler.attention}\n{table}"
 
 
+def part4(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
+    from rlinf_twoworker.engines.static import SamplingSettings, StaticSampler
+    from rlinf_twoworker.engines.static_kernels import exponential_race
+
+    model = _model()
+    settings = SamplingSettings()
+    rows = []
+    for b, new in cases:
+        ids = torch.randint(100, 150000, (b // 8, 256), device="cuda").repeat_interleave(8, 0)
+        mask = torch.ones_like(ids)
+        sampler = StaticSampler(model, b, 256 + new)
+        compiled = sampler.kernels
+        for race in ["compiled", "eager"] * repeats:
+            sampler.kernels = (
+                compiled if race == "compiled" else compiled._replace(race=exponential_race)
+            )
+            sampler.graphs = {}  # captured again with this race
+            sampler.generate(ids, mask, new, [10**9], 0, settings)  # compile and capture
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            sampler.generate(ids, mask, new, [10**9], 0, settings)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            row = {
+                "slots": b,
+                "new": new,
+                "attention": sampler.attention,
+                "race": race,
+                "seconds": round(seconds, 4),
+                "tok_s": round(b * new / seconds),
+            }
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del sampler
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="")
@@ -215,6 +255,8 @@ def main() -> None:
         result["generate"] = part2([(256, 1792), (16, 768)], args.repeats)
     if "3" in args.parts:
         result["profile"] = part3()
+    if "4" in args.parts:
+        result["race"] = part4([(256, 1792), (16, 768)], args.repeats)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
