@@ -220,7 +220,7 @@ def part4(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
             sampler.kernels = (
                 compiled if race == "compiled" else compiled._replace(race=exponential_race)
             )
-            sampler.graphs = {}  # captured again with this race
+            sampler.drop_graphs()  # captured again with this race
             sampler.generate(ids, mask, new, [10**9], 0, settings)  # compile and capture
             torch.cuda.synchronize()
             start = time.perf_counter()

@@ -422,11 +422,17 @@ class StaticSampler:
 
     def _go_eager(self) -> None:
         self._set_kernels(False)
-        self.graphs = {}  # they replay the compiled kernels
+        self.drop_graphs()  # they replay the compiled kernels
 
     def _use_grouped(self) -> None:
         self.attention = "grouped"
-        self.graphs = {}  # they replay the kernel
+        self.drop_graphs()  # they replay the kernel
+
+    def drop_graphs(self) -> None:
+        """Forget every captured decode step: the next step captures again, in a new memory
+        pool. The old pool goes with its graphs; PyTorch refuses a capture into a pool whose
+        graphs are all gone (an internal assert), so it is never reused."""
+        self.graphs, self.graph_key, self.graph_pool = {}, None, None
 
     @torch.no_grad()
     def _generate(

@@ -448,6 +448,29 @@ def test_a_compiler_failure_falls_back_to_eager_with_the_same_tokens(tiny):
     assert not sampler.compiled
 
 
+@pytest.mark.gpu
+def test_a_fallback_after_captured_graphs_captures_again_in_a_new_pool():
+    """A fallback (compiled kernels to eager, split-KV to the grouped product) drops the
+    captured decode steps; the next generate captures again, in a new pool: PyTorch refuses a
+    capture into a pool whose graphs are all gone (an internal assert), so the old one must not
+    be reused. The answers stay the same greedy answers."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = _tiny_lm(logit_scale=4.0).cuda()
+    ids, mask = left_pad([[5, 6, 7, 8], [9, 10], [11, 12, 13]], pad_id=0, width=6)
+    greedy = SamplingSettings(do_sample=False)
+    sampler = StaticSampler(model, 3, 6 + 300, read_step=64)
+    first = sampler.generate(ids, mask, 300, [-1], 0, greedy)
+    assert len(sampler.graphs) > 1  # widths 64, 128, ...: several graphs in one pool
+    pool = sampler.graph_pool
+    for fall_back in (sampler._use_grouped, sampler._go_eager):
+        fall_back()
+        assert not sampler.graphs
+        assert torch.equal(sampler.generate(ids, mask, 300, [-1], 0, greedy), first)
+        assert sampler.graphs and sampler.graph_pool != pool
+        pool = sampler.graph_pool
+
+
 @pytest.mark.parametrize(
     "error",
     [RuntimeError("the model broke"), torch.OutOfMemoryError("CUDA out of memory (test)")],
