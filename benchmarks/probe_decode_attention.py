@@ -146,6 +146,22 @@ def _model():
     return load_causal_lm(model_dir, torch.bfloat16, torch.device("cuda")).eval()
 
 
+def _timed_generate(sampler, ids, mask, new: int, settings, **labels) -> dict:
+    """The seconds and tokens/s of the sampler's second generate() (the first compiles and
+    captures), with `labels`; printed as a JSON line."""
+    for _ in range(2):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        sampler.generate(ids, mask, new, [10**9], 0, settings)
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    slots = ids.shape[0]
+    row = {"slots": slots, "new": new, **labels, "seconds": round(seconds, 4)}
+    row["tok_s"] = round(slots * new / seconds)
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def part2(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
     from rlinf_twoworker.engines.static import SamplingSettings, StaticSampler
 
@@ -161,22 +177,9 @@ def part2(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
             ids = ids.repeat_interleave(group, 0)
             mask = torch.ones_like(ids)
             sampler = StaticSampler(model, b, 256 + new, attention=attention)
-            sampler.generate(ids, mask, new, [10**9], 0, settings)  # compile and capture
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            sampler.generate(ids, mask, new, [10**9], 0, settings)
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
-            row = {
-                "slots": b,
-                "new": new,
-                "attention": attention,
-                "group": group,
-                "seconds": round(seconds, 4),
-                "tok_s": round(b * new / seconds),
-            }
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            rows.append(
+                _timed_generate(sampler, ids, mask, new, settings, attention=attention, group=group)
+            )
             del sampler
             torch.cuda.empty_cache()
     return rows
@@ -221,22 +224,8 @@ def part4(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
                 compiled if race == "compiled" else compiled._replace(race=exponential_race)
             )
             sampler.drop_graphs()  # captured again with this race
-            sampler.generate(ids, mask, new, [10**9], 0, settings)  # compile and capture
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            sampler.generate(ids, mask, new, [10**9], 0, settings)
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
-            row = {
-                "slots": b,
-                "new": new,
-                "attention": sampler.attention,
-                "race": race,
-                "seconds": round(seconds, 4),
-                "tok_s": round(b * new / seconds),
-            }
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            labels = {"attention": sampler.attention, "race": race}
+            rows.append(_timed_generate(sampler, ids, mask, new, settings, **labels))
         del sampler
         torch.cuda.empty_cache()
     return rows
