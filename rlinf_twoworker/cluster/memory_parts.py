@@ -25,6 +25,7 @@ from pathlib import Path
 from rlinf_twoworker import components
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.engines.kv_memory import PREFILL_TOKENS  # the static engine's prefill cut
+from rlinf_twoworker.engines.sampling import race_compiled
 
 GIB = 1024**3
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -266,8 +267,9 @@ def logprob_parts(cfg: GRPOConfig, shape: ModelShape, precision: str) -> dict[st
 
 def rollout_parts(cfg: GRPOConfig, shape: ModelShape) -> dict[str, int]:
     """The rollout copy: its weights, the KV cache of the rows decoded together, the prefill's
-    activations and the decode step's logits with their sampling noise (float32; the compiled
-    step samples in one pass over both, engines/static_kernels.exponential_race)."""
+    activations and the decode step's logits: with the compiled sampling race (enough slots,
+    engines/sampling.race_compiled) the logits and their float32 noise, one pass over both;
+    below that, the eager race's float32 copies."""
     gpu = cfg.cluster.accelerator == "cuda"
     size = BYTES[cfg.rollout.model.precision] if gpu else 4
     rows = cfg.data.rollout_batch_size * cfg.algorithm.group_size
@@ -279,7 +281,7 @@ def rollout_parts(cfg: GRPOConfig, shape: ModelShape) -> dict[str, int]:
         "activations": min(slots * prompt, PREFILL_TOKENS)
         * size
         * (4 * shape.hidden + 3 * shape.intermediate),
-        "logits": slots * shape.vocab * (size + 4),
+        "logits": slots * shape.vocab * (size + 4 if race_compiled(slots, shape.vocab) else 12),
     }
 
 

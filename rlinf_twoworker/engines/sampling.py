@@ -14,3 +14,17 @@ class SamplingSettings:
     repetition_penalty: float = 1.0
     """HF's: logits of tokens already in the row (prompt or answer) are divided by it when
     positive, multiplied when negative, before temperature / top-k / top-p; 1.0 is off."""
+
+
+RACE_COMPILED_FROM = 2**22
+"""Logit entries of a decode step (slots x vocabulary) from which the static sampler compiles its
+sampling race into one pass over the logits and the noise (static_kernels.exponential_race).
+Below it the eager race's float32 copies cost little (16 slots of a 151936-entry vocabulary:
+about 0.1 GB of memory traffic a step, tens of microseconds on an H200), less than compiling one
+more kernel adds to the first step."""
+
+
+def race_compiled(slots: int, vocab: int) -> bool:
+    """Whether a static sampler of `slots` slots over `vocab` logits compiles its race (on GPUs,
+    where it compiles its decode kernels)."""
+    return slots * vocab >= RACE_COMPILED_FROM

@@ -56,7 +56,7 @@ from rlinf_twoworker.engines.decode_attention import (
 )
 from rlinf_twoworker.engines.kv_memory import prefill_rows, slots_that_fit
 from rlinf_twoworker.engines.models import run_or_eager
-from rlinf_twoworker.engines.sampling import SamplingSettings
+from rlinf_twoworker.engines.sampling import SamplingSettings, race_compiled
 from rlinf_twoworker.engines.static_kernels import (
     EAGER,
     Kernels,
@@ -287,7 +287,10 @@ class StaticSampler:
 
     def _set_kernels(self, compiled: bool) -> None:
         self.compiled = compiled
-        self.kernels = compiled_kernels(self.backend) if compiled else EAGER
+        kernels = compiled_kernels(self.backend) if compiled else EAGER
+        if not race_compiled(self.batch, self.model.lm_head.weight.shape[0]):
+            kernels = kernels._replace(race=EAGER.race)  # sampling.RACE_COMPILED_FROM
+        self.kernels = kernels
         # The split-KV ranges' reduction: fixed shapes, one fused kernel when compiled.
         self.combine = torch.compile(combine, backend=self.backend) if compiled else combine
 

@@ -149,8 +149,11 @@ def test_each_part_matches_the_hand_computed_size(tiny):
         "weights": PARAMS * 2,
         "kv_cache": 16 * 1024 * 32 * 2,  # 16 rows decoded together over 1024 tokens, bf16
         "activations": 16 * 256 * 2 * (4 * 16 + 3 * 32),
-        "logits": 16 * 64 * (2 + 4),  # bf16 logits and float32 sampling noise per slot
+        "logits": 16 * 64 * 12,  # too few logits to compile the race: its float32 copies
     }
+    # Enough logits to compile the race: the bf16 logits and their float32 noise.
+    wide = dataclasses.replace(shape, vocab=2**22)
+    assert mparts.rollout_parts(cfg, wide)["logits"] == 16 * 2**22 * (2 + 4)
     inference = mparts.logprob_parts(cfg, shape, "bf16")
     assert inference["weights"] == PARAMS * 2
     assert inference["logits"] == 16 * 1024 * 64 * mparts.LOGIT_BYTES_FORWARD  # all 16 rows fit

@@ -155,6 +155,26 @@ def test_the_compiled_race_picks_the_eager_races_tokens():
             assert (eager % 3 != 0).all()  # never an -inf entry
 
 
+def test_the_race_is_compiled_only_where_the_logits_are_many(tiny, monkeypatch):
+    """The compiled sampler races eagerly below RACE_COMPILED_FROM logit entries a step (the
+    tutorial's 16 slots: compiling would cost the first step more than it saves) and through
+    its compiled kernels from there; an eager sampler always eagerly."""
+    from rlinf_twoworker.engines import sampling
+    from rlinf_twoworker.engines import static_kernels as sk
+
+    model = load_causal_lm(tiny, torch.float32, torch.device("cpu")).eval()
+    vocab = model.lm_head.weight.shape[0]
+    assert not sampling.race_compiled(2, vocab)
+    assert StaticSampler(model, 2, 16, compiled=True, backend="eager").kernels.race is (
+        sk.exponential_race
+    )
+    monkeypatch.setattr(sampling, "RACE_COMPILED_FROM", 2 * vocab)
+    assert sampling.race_compiled(2, vocab) and not sampling.race_compiled(1, vocab)
+    compiled = StaticSampler(model, 2, 16, compiled=True, backend="eager")
+    assert compiled.kernels.race is not sk.exponential_race
+    assert StaticSampler(model, 2, 16, compiled=False).kernels.race is sk.exponential_race
+
+
 def test_llama_without_projection_biases_matches_generate():
     """The bias-free q/k/v path (Llama) and a non-SiLU MLP, which keeps the model's own MLP."""
     from transformers import LlamaConfig, LlamaForCausalLM
