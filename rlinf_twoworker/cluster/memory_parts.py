@@ -281,7 +281,9 @@ def rollout_parts(cfg: GRPOConfig, shape: ModelShape) -> dict[str, int]:
         "activations": min(slots * prompt, PREFILL_TOKENS)
         * size
         * (4 * shape.hidden + 3 * shape.intermediate),
-        "logits": slots * shape.vocab * (size + 4 if race_compiled(slots, shape.vocab) else 12),
+        "logits": slots
+        * shape.vocab
+        * (size + 4 if gpu and race_compiled(slots, shape.vocab) else 12),
     }
 
 

@@ -277,13 +277,16 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_every_decode_step_samples_softmax_of_logits_over_temperature(device):
-    """16000 answers of 8 tokens each, at T = 0.7 and T = 1.0 (on CUDA: compiled kernels and
-    graph replays). At every step the tokens must fit the exact distribution, the mean over
+def test_every_decode_step_samples_softmax_of_logits_over_temperature(device, monkeypatch):
+    """16000 answers of 8 tokens each, at T = 0.7 and T = 1.0 (on CUDA: compiled kernels, the
+    compiled sampling race included, and graph replays). At every step the tokens must fit the exact distribution, the mean over
     rows of softmax(logits / T) for each row's own prefix, and must not fit the other
     temperature's: a step that dropped or misapplied the temperature fails. Rows are
     independent and each token is drawn from its row's softmax, so the statistic is at most
     chi-square distributed (the limit holds)."""
+    from rlinf_twoworker.engines import sampling
+
+    monkeypatch.setattr(sampling, "RACE_COMPILED_FROM", 1)  # on CUDA: the compiled race too
     model = _tiny_lm(logit_scale=20.0).to(device)
     rows, steps, prompt = 16000, 8, [3, 9, 17, 4]
     ids, mask = left_pad([prompt] * rows, pad_id=0)
