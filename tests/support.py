@@ -114,6 +114,21 @@ def tiny_lm(
         return model_class(made).eval()
 
 
+def generate_greedy(model: Any, ids: Any, mask: Any, new: int, eos: int | None = None) -> Any:
+    """transformers' own greedy `generate` of left-padded prompts [R, P] (pad id 0) on the
+    model's device, at most `new` tokens, stopping at `eos` (None: never): the answers
+    [R, <= new] on the CPU, the reference the static sampler's greedy answers must equal."""
+    device = next(model.parameters()).device
+    return model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        do_sample=False,
+        max_new_tokens=new,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )[:, ids.shape[1] :].cpu()
+
+
 def settled_free_gpus(timeout_s: float = 10.0) -> float:
     """The connected cluster's free GPUs, once processes killed just before have handed theirs
     back (ray.kill and a group's removal are asynchronous); waits at most timeout_s."""

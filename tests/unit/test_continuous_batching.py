@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import tiny_lm
+from support import generate_greedy, tiny_lm
 
 from rlinf_twoworker.api.demo import demo_config, make_inputs
 from rlinf_twoworker.config import to_typed
@@ -98,26 +98,8 @@ def test_continuous_batching_answers_equal_one_static_batch(arch, penalty, devic
     assert answers.shape == (12, max(lengths))
     if penalty != 1.0:
         return  # generate would count the left padding as seen tokens
-    ref_hf = model.generate(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        do_sample=False,
-        max_new_tokens=NEW,
-        eos_token_id=eos[0],
-        pad_token_id=0,
-    )[:, WIDTH:].cpu()
+    ref_hf = generate_greedy(model, ids, mask, NEW, eos[0])
     assert torch.equal(answers, ref_hf)  # and both are generate's tokens
-
-
-def _hf_greedy(model: Any, ids: torch.Tensor, mask: torch.Tensor, eos: int, device: str):
-    return model.generate(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        do_sample=False,
-        max_new_tokens=NEW,
-        eos_token_id=eos,
-        pad_token_id=0,
-    )[:, WIDTH:].cpu()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -141,7 +123,9 @@ def test_decode_reads_only_the_filled_columns_and_answers_stay_generates(arch, d
         assert torch.equal(answers, reference)
         assert windowed.stats.refilled_rows == 8
         assert windowed.stats.mean_read_fraction < 0.9, windowed.stats
-    assert torch.equal(answers, _hf_greedy(model, ids, mask, eos[0], device)[:, : answers.shape[1]])
+    assert torch.equal(
+        answers, generate_greedy(model, ids, mask, NEW, eos[0])[:, : answers.shape[1]]
+    )
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -163,7 +147,7 @@ def test_a_groups_prompt_is_prefilled_once_and_its_answers_stay_generates(arch, 
     # refills forward each distinct prompt they meet once more.
     assert sampler.stats.prefill_rows < 12, sampler.stats
     assert sampler.stats.prefill_rows >= 3
-    expected = _hf_greedy(model, ids, mask, eos[0], device)[:, : answers.shape[1]]
+    expected = generate_greedy(model, ids, mask, NEW, eos[0])[:, : answers.shape[1]]
     assert torch.equal(answers, expected)
     one_fill = StaticSampler(model, 12, WIDTH + NEW)
     one_fill.generate(ids, mask, NEW, eos, 0, greedy)

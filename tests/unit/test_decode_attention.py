@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import tiny_lm
+from support import generate_greedy, tiny_lm
 
 from rlinf_twoworker.engines import decode_attention
 from rlinf_twoworker.engines.decode_attention import (
@@ -197,15 +197,7 @@ def test_sampler_with_split_kv_gives_generate_greedy_answers(device, arch):
     assert kernel.stats.refilled_rows == 8
     grouped = StaticSampler(model, 4, 8 + new, attention="grouped")
     assert torch.equal(answers, grouped.generate(ids, mask, new, [-1], 0, greedy))
-    reference = model.generate(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        do_sample=False,
-        max_new_tokens=new,
-        eos_token_id=None,
-        pad_token_id=0,
-    )[:, 8:].cpu()
-    assert torch.equal(answers, reference)
+    assert torch.equal(answers, generate_greedy(model, ids, mask, new))
 
 
 def test_sampled_answers_with_split_kv_equal_the_grouped_products(device):
