@@ -1,6 +1,11 @@
 """Where a decode step's time goes: kernel table of the static sampler at one batch size.
 
 python benchmarks/probe_decode.py [--batch 16] [--prompt 256] [--new 768]
+python benchmarks/probe_decode.py --batch 256 --prompt 1024 --steps 128 --diff
+
+--diff: decode steps alone. Two runs from the same prompts, of 1 and of 1 + --steps new tokens,
+are timed and profiled; the difference per kernel name, divided by --steps, is what one decode
+step at about --prompt columns costs (the prefill and the first token cancel out).
 """
 
 from __future__ import annotations
@@ -8,11 +13,24 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _kernel_us(prof: torch.profiler.profile) -> dict[str, float]:
+    """Device microseconds per kernel name in a profile."""
+    out: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None)
+        if us is None:
+            us = event.self_cuda_time_total
+        if us > 0:
+            out[event.key] += us
+    return out
 
 
 def main() -> None:
@@ -25,27 +43,55 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--new", type=int, default=768)
+    parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--diff", action="store_true")
     parser.add_argument("--root", default="/tmp/rlinf-bench")
     args = parser.parse_args()
     model_dir = make_model_dir(Path(args.root))
     model = load_causal_lm(model_dir, torch.bfloat16, torch.device("cuda")).eval()
     ids = torch.randint(100, 150000, (args.batch, args.prompt), device="cuda")
     mask = torch.ones_like(ids)
-    sampler = StaticSampler(model, args.batch, args.prompt + args.new)
+    new = args.steps + 1 if args.diff else args.new
+    sampler = StaticSampler(model, args.batch, args.prompt + new)
     settings = SamplingSettings()
-    sampler.generate(ids, mask, args.new, [10**9], 0, settings)  # compile and capture
-    for new in (1, args.new):
+
+    def run(tokens: int) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        sampler.generate(ids, mask, new, [10**9], 0, settings)
+        sampler.generate(ids, mask, tokens, [10**9], 0, settings)
         torch.cuda.synchronize()
-        print(f"generate {new} tokens: {time.perf_counter() - start:.4f} s", flush=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        sampler.generate(ids, mask, 64, [10**9], 0, settings)
-        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(new)  # compile and capture
+    if not args.diff:
+        for tokens in (1, new):
+            print(f"generate {tokens} tokens: {run(tokens):.4f} s", flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run(64)
+        print(
+            prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=25, max_name_column_width=70
+            )
+        )
+        return
+    short = min(run(1) for _ in range(3))
+    long = min(run(new) for _ in range(3))
+    step_ms = (long - short) / args.steps * 1e3
+    profiles = []
+    for tokens in (1, new):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run(tokens)
+        profiles.append(_kernel_us(prof))
+    diff = {
+        k: (profiles[1].get(k, 0.0) - profiles[0].get(k, 0.0)) / args.steps for k in profiles[1]
+    }
+    kernels = sum(v for v in diff.values() if v > 0) / 1e3
     print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+        f"decode step at batch {args.batch}, about {args.prompt} columns: {step_ms:.3f} ms wall, "
+        f"{kernels:.3f} ms of kernels ({args.batch / step_ms * 1e3:,.0f} tokens/s)"
     )
+    for name, us in sorted(diff.items(), key=lambda kv: -kv[1])[:30]:
+        print(f"{us:9.1f} us  {100 * us / 1e3 / step_ms:5.1f}%  {name[:110]}")
 
 
 if __name__ == "__main__":
