@@ -1,18 +1,22 @@
 """Where one GRPO step's actor update goes at the tutorial job's shape, on one GPU.
 
     python -m benchmarks actor_step [--rows 16] [--group 2] [--seq 1024] [--prompt 256] [--cut 4096]
-        [--override KEY=VALUE ...]
+        [--lengths full|varied] [--override KEY=VALUE ...]
 
 The library's ActorWorker, built as a run builds it (one rank of an NCCL group: unwrapped with
 FSDP2's mixed precision, or FSDP2 with --override actor.fsdp_at_one_rank=true; compiled
 decoder layers, fused AdamW), on the 1.5B shape with random weights (bench_gpu.make_model_dir)
 and the starting config (the tutorial's minibatches: algorithm.n_minibatches of its rows);
-runner.micro_batch_tokens is --cut (what the memory plan picks for the tutorial job). Every
-answer runs to the token limit, as a random model's do. Two updates compile and warm up; the
-third is timed and profiled (CPU and CUDA). Prints one JSON object: the update's seconds by
-part (forward/backward, optimizer), the GPU's busy share of the wall time (kernel time over
-wall time: well under 1 means the GPU waits on the host), the kernels by GPU time and the host
-operators by their own CPU time.
+runner.micro_batch_tokens is --cut (what the memory plan picks for the tutorial job). With
+--lengths full every answer runs to the token limit, as a random model's do; with varied the
+prompt and answer lengths are drawn as a trained model's vary (compare
+runner.trim_padding_multiple=0 and 128 there: the length-aware cut). Two updates compile and
+warm up; four are timed; one more is profiled (CPU and CUDA); then the log-prob recompute's
+forward over the same rows, cut as inference cuts it with --cut tokens, is timed three times.
+Prints one JSON object: the update's seconds by part (forward/backward, optimizer), the real
+and padded tokens, the GPU's busy share of the wall time (kernel time over wall time: well
+under 1 means the GPU waits on the host), the kernels by GPU time and the host operators by
+their own CPU time.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def main() -> None:
     from rlinf_twoworker.config.settings import actor_settings
     from rlinf_twoworker.engines.models import SequenceBatch
     from rlinf_twoworker.run.chunks import split_for_actors
-    from rlinf_twoworker.workers.actor import ActorWorker
+    from rlinf_twoworker.workers.actor import ActorWorker, computing_in
     from rlinf_twoworker.workers.base import free_port
 
     parser = argparse.ArgumentParser()
@@ -71,6 +75,14 @@ def main() -> None:
     parser.add_argument("--root", default="/tmp/rlinf-bench")
     parser.add_argument("--model", default=None, help="a model directory (default: the 1.5B)")
     parser.add_argument("--cpu", action="store_true", help="a smoke run on CPUs (gloo)")
+    parser.add_argument(
+        "--lengths",
+        choices=("full", "varied"),
+        default="full",
+        help="full: every answer runs to the token limit (a random model's); varied: prompt and "
+        "answer lengths drawn uniformly (prompts 1/4..1 of --prompt, answers 1/16..1 of the "
+        "answer tokens), as a trained model's answers are",
+    )
     parser.add_argument(
         "--override",
         action="append",
@@ -114,6 +126,14 @@ def main() -> None:
     ids = torch.randint(0, vocab, (args.rows, args.seq), generator=gen)
     mask = torch.ones_like(ids)
     response = torch.ones(args.rows, answer, dtype=torch.long)
+    if args.lengths == "varied":
+        prompts = torch.randint(
+            max(args.prompt // 4, 1), args.prompt + 1, (args.rows, 1), generator=gen
+        )
+        answers = torch.randint(max(answer // 16, 1), answer + 1, (args.rows, 1), generator=gen)
+        response = (torch.arange(answer) < answers).long()
+        mask = torch.cat([(torch.arange(args.prompt) >= args.prompt - prompts).long(), response], 1)
+        ids = ids * mask
     batch = SequenceBatch(ids, mask, response, args.prompt)
     sign = torch.where(torch.arange(args.rows) % 2 == 0, 1.0, -1.0).unsqueeze(-1)
     adv = sign * response
@@ -127,12 +147,30 @@ def main() -> None:
         sync()
         return time.perf_counter() - start, stats
 
+    def logprobs() -> float:
+        """The log-prob recompute's forward over the step's rows, cut as inference cuts it
+        (workers/inference.py), with the actor's model (compiled layers, no gradient)."""
+        from rlinf_twoworker.engines.models import micro_batches, response_logprobs
+
+        rule, trim = cfg.micro_batch_rule(False, args.cut), cfg.runner.trim_padding_multiple
+        sync()
+        start = time.perf_counter()
+        with torch.no_grad(), computing_in(actor.model, actor.compute_dtype):
+            for rows in micro_batches(batch, rule, trim):
+                part = batch.rows(rows).to(actor.device)
+                response_logprobs(actor.model, part, trim, actor.compiled)
+        sync()
+        return time.perf_counter() - start
+
     warm = [update()[0] for _ in range(2)]
     timed = [update() for _ in range(4)]
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with profile(activities=activities) as prof:
         wall, stats = update()
     kernels = _table(prof, "self_device_time_total", 25, gpu=True)
+    actor.model.eval()
+    logprob_s = [logprobs() for _ in range(4)][1:]  # the first compiles the no-grad graphs
+    real = int(batch.attention_mask.sum())
     gpu_ms = sum(e.self_device_time_total for e in prof.key_averages() if _on_gpu(e)) / 1000
     out = {
         "shape": vars(args),
@@ -143,6 +181,9 @@ def main() -> None:
         "profiled_update_s": wall,
         "forward_backward_s": stats.forward_backward_seconds,
         "optimizer_s": stats.optimizer_seconds,
+        "real_tokens": real,
+        "padded_tokens": args.rows * args.seq,
+        "logprob_forward_s": logprob_s,
         "gpu_kernel_ms": round(gpu_ms, 1),
         "gpu_busy_share": round(gpu_ms / 1000 / wall, 3),
         "kernels": kernels,

@@ -141,3 +141,20 @@ def settled_free_gpus(timeout_s: float = 10.0) -> float:
     while (free := ray.available_resources().get("GPU", 0)) < total and time.monotonic() < deadline:
         time.sleep(0.1)
     return free
+
+
+def varied_batch(prompts: tuple[int, ...], answers: tuple[int, ...], p: int, r: int) -> Any:
+    """Rows as the rollout writes them: prompts of the given lengths left-padded to `p`,
+    answers of the given lengths right-padded to `r` (attention and response masks 0 there)."""
+    import torch
+
+    from rlinf_twoworker.engines.models import SequenceBatch
+    from rlinf_twoworker.workers.rollout import left_pad
+
+    generator = torch.Generator().manual_seed(len(prompts))
+    ids, mask = left_pad(
+        [torch.randint(3, 60, (n,), generator=generator).tolist() for n in prompts], 0, width=p
+    )
+    responses = torch.randint(3, 60, (len(answers), r), generator=generator)
+    resp = (torch.arange(r) < torch.tensor(answers).unsqueeze(1)).long()
+    return SequenceBatch(torch.cat([ids, responses * resp], 1), torch.cat([mask, resp], 1), resp, p)

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -196,11 +196,7 @@ class SequenceBatch:
         real = self.attention_mask.bool().any(0)
         first = int(real.long().argmax()) if bool(real.any()) else p - 1
         last = width - int(real.flip(0).long().argmax())  # one past the last real column
-        begin = min(first, p - 1)
-        end = max(last, p + 1)  # at least one response column
-        size = min(-(-(end - begin) // multiple) * multiple, width)
-        begin = min(begin, width - size)  # widen to the left inside the batch
-        end = begin + size
+        begin, end = kept_columns(first, last, p, width, multiple)
         part = SequenceBatch(
             self.input_ids[:, begin:end],
             self.attention_mask[:, begin:end],
@@ -208,6 +204,74 @@ class SequenceBatch:
             p - begin,
         )
         return part, end - p
+
+    def spans(self) -> tuple[list[int], list[int]]:
+        """Each row's real columns: the first one and one past the last (a row with none
+        counts as the one column before its answer)."""
+        p, width = self.prompt_length, self.input_ids.shape[1]
+        mask = self.attention_mask.bool()
+        real = mask.any(1)
+        first = torch.where(real, mask.long().argmax(1), p - 1)
+        last = torch.where(real, width - mask.flip(1).long().argmax(1), p)
+        return first.tolist(), last.tolist()
+
+
+def kept_columns(first: int, last: int, p: int, width: int, multiple: int) -> tuple[int, int]:
+    """The columns [begin, end) that a micro-batch trimmed to `multiple` keeps when its real
+    columns span [first, last): at least the last prompt column and the first answer column,
+    a width that is a multiple of `multiple` (or the whole width), widened to the left."""
+    begin = min(first, p - 1)
+    end = max(last, p + 1)
+    size = min(-(-(end - begin) // multiple) * multiple, width)
+    begin = min(begin, width - size)
+    return begin, begin + size
+
+
+class Cut(Protocol):
+    """A micro-batch rule (config.schema.MicroBatchRule): at least `least` rows, as many as
+    fit in `tokens` columns (0: exactly `least`)."""
+
+    @property
+    def least(self) -> int: ...
+
+    @property
+    def tokens(self) -> int: ...
+
+    def slices(self, rows: int, width: int) -> list[slice]: ...
+
+
+def micro_batches(batch: SequenceBatch, cut: Cut, multiple: int) -> list[slice | torch.Tensor]:
+    """The rows of each compute micro-batch of a forward over `batch`.
+
+    `multiple` 0 (no trimming, every micro-batch runs at the batch's whole width): the rule's
+    row slices, in order. `multiple` >= 1 (each micro-batch is trimmed to its own real
+    columns): the rows ordered by where their answers end, longest first, and each micro-batch
+    as many as fit in `cut.tokens` at the width it trims to (`kept_columns`), at least
+    `cut.least`. Rows of like length then share a micro-batch, so a short answer is not padded
+    to a long one's length: with answers of varied length the forward computes about the
+    real tokens instead of rows x the longest answer. The largest micro-batch comes first, so
+    later ones fit in the memory it leaves cached. Any cut and order give the same sums (the
+    loss weights do not depend on the cut)."""
+    rows, width = batch.input_ids.shape
+    if multiple < 1 or rows <= 1:
+        return list(cut.slices(rows, width))
+    p = batch.prompt_length
+    first, last = batch.spans()
+    order = sorted(range(rows), key=lambda i: (-last[i], first[i]))
+    groups: list[list[int]] = []
+    low = 0
+    for i in order:
+        if groups:
+            group = groups[-1]
+            begin, end = kept_columns(min(low, first[i]), last[group[0]], p, width, multiple)
+            fits = cut.tokens and (len(group) + 1) * (end - begin) <= cut.tokens
+            if len(group) < cut.least or fits:
+                group.append(i)
+                low = min(low, first[i])
+                continue
+        groups.append([i])
+        low = first[i]
+    return [torch.tensor(sorted(group)) for group in groups]
 
 
 def compiler_failed(exc: BaseException) -> bool:

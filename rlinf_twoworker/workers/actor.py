@@ -34,6 +34,7 @@ from rlinf_twoworker.engines.models import (
     SequenceBatch,
     compile_layers,
     dtype_for,
+    micro_batches,
     response_logprobs,
     run_or_eager,
 )
@@ -316,8 +317,8 @@ class ActorWorker(Worker):
         settings = policy_loss_settings(algo)
         sums: dict[str, torch.Tensor] = {}  # weighted metric sums, kept on the device
         maxes = torch.zeros(2, device=self.device)
-        cut = self.settings.micro_batch
-        for rows in cut.slices(len(shard), shard.batch.input_ids.shape[1]):
+        cut, trim = self.settings.micro_batch, self.settings.trim_padding_multiple
+        for rows in micro_batches(shard.batch, cut, trim):
             part = shard.batch.rows(rows).to(self.device)
             with computing_in(self.model, self.compute_dtype):
                 logprobs, entropy = self._logprobs(part)

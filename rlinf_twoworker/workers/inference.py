@@ -18,6 +18,7 @@ from rlinf_twoworker.engines.models import (
     SequenceBatch,
     compile_layers,
     dtype_for,
+    micro_batches,
     response_logprobs,
     run_or_eager,
 )
@@ -73,12 +74,13 @@ class InferenceWorker(PolicyCopy):
     def _logprobs(self, batch: SequenceBatch) -> torch.Tensor:
         settings = self.settings
         trim, temperature = settings.trim_padding_multiple, settings.temperature
-        parts = []
-        for cut in settings.micro_batch.slices(len(batch), batch.input_ids.shape[1]):
-            rows = batch.rows(cut).to(self.device)
-            logprobs = response_logprobs(self.model, rows, trim, self.fused, temperature)
-            parts.append(logprobs.cpu())
-        return torch.cat(parts) * batch.response_mask
+        # Kept on the device until the end: one copy back, not a wait for the GPU after each
+        # micro-batch.
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=self.device)
+        for rows in micro_batches(batch, settings.micro_batch, trim):
+            part = batch.rows(rows).to(self.device)
+            out[rows] = response_logprobs(self.model, part, trim, self.fused, temperature)
+        return out.cpu() * batch.response_mask
 
 
 # For mypy: InferenceWorker is what the run asks of inference (workers/contract.py).

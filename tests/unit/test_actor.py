@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from support import WRAPPED
+from support import WRAPPED, varied_batch
 from torch.distributed.device_mesh import DeviceMesh
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
@@ -21,6 +21,7 @@ from rlinf_twoworker.engines.models import (
     DTYPES,
     SequenceBatch,
     load_causal_lm,
+    micro_batches,
     response_logprobs,
 )
 from rlinf_twoworker.engines.tensors import full, local
@@ -188,6 +189,28 @@ def test_token_budget_micro_batches_give_the_one_row_gradient(world):
     # RLinf's per-micro-batch token-mean is not the global token-mean: that one differs
     other, _, _ = _gradients(world, ["algorithm.loss_agg_func=global-token-mean"])
     assert any(not torch.allclose(other[n], g, atol=1e-6) for n, g in one_row.items())
+
+
+def test_length_aware_micro_batches_give_the_one_row_gradient(world):
+    """runner.trim_padding_multiple >= 1 cuts the update by answer length (longest first, each
+    micro-batch at its own trimmed width): several micro-batches, not in row order, and the
+    gradient and loss of RLinf's one-row cut."""
+    inputs, root = world
+    cfg = to_typed(demo_config(inputs, str(root / "runs"), "lengths", ONE_MINIBATCH))
+    batch = varied_batch((6, 3, 8, 2), (3, 12, 1, 9), 8, 12)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5]).unsqueeze(-1) * batch.response_mask
+    old = torch.full((4, 12), -4.0) * batch.response_mask
+    [[shard]] = split_for_actors(cfg, batch, old, adv, ranks=1)
+    one_row, one_row_sums, _ = _gradients(world, ["runner.micro_batch_tokens=0"], shard)
+    lengths = ["runner.trim_padding_multiple=2", "runner.micro_batch_tokens=30"]
+    cut = to_typed(demo_config(inputs, str(root / "runs"), "lengths", ONE_MINIBATCH + lengths))
+    cuts = micro_batches(shard.batch, cut.micro_batch_rule(True), 2)
+    assert [c.tolist() for c in cuts] == [[1], [3], [0, 2]]  # 12, 9, then 3 and 1 tokens
+    budget, budget_sums, _ = _gradients(world, lengths, shard)
+    assert budget_sums["final_loss"] == pytest.approx(one_row_sums["final_loss"], rel=1e-5)
+    assert budget_sums["tokens"] == one_row_sums["tokens"] == 25
+    for name, grad in one_row.items():
+        assert torch.allclose(budget[name], grad, atol=1e-6, rtol=1e-4), name
 
 
 def test_layers_kept_gathered_after_the_forward_give_the_same_gradient(world):

@@ -6,11 +6,15 @@ import json
 
 import pytest
 import torch
+from support import varied_batch
 
 from rlinf_twoworker.api.demo import make_inputs
+from rlinf_twoworker.config.schema import MicroBatchRule
 from rlinf_twoworker.engines.models import (
     SequenceBatch,
+    kept_columns,
     load_causal_lm,
+    micro_batches,
     response_logprobs,
     run_or_eager,
 )
@@ -100,6 +104,45 @@ def test_trimmed_batches_give_the_same_logprobs(model, multiple):
     if multiple == 1:
         assert width == 26 - 7 - 4 and kept == 6
         assert torch.all(padded[:, kept:] == 0)  # dropped columns, padding in every row
+
+
+def test_length_aware_micro_batches_put_like_lengths_together_within_the_budget(model):
+    """With trimming on, rows are cut by where their answers end, longest first, each
+    micro-batch as many rows as fit in the token budget at the width it trims to; every row
+    once; far fewer columns than the rows in order at the whole width; the same log-probs."""
+    answers = (12, 2, 9, 3, 12, 1, 7, 2)
+    batch = varied_batch((5, 8, 3, 6, 2, 7, 4, 8), answers, 8, 12)
+    rule = MicroBatchRule(least=1, tokens=40)
+    cuts = micro_batches(batch, rule, 4)
+    rows = [sorted(c.tolist()) for c in cuts]
+    assert sorted(i for r in rows for i in r) == list(range(8))
+    first, last = batch.spans()
+    ends, columns = [], 0
+    for r in rows:
+        begin, end = kept_columns(min(first[i] for i in r), max(last[i] for i in r), 8, 20, 4)
+        assert len(r) * (end - begin) <= 40 or len(r) == 1
+        ends.append(max(answers[i] for i in r))
+        columns += len(r) * (end - begin)
+    assert ends == sorted(ends, reverse=True)  # the longest answers first
+    assert rows[0] == [0, 4]  # the two 12-token answers
+    in_order = micro_batches(batch, rule, 0)
+    assert in_order == rule.slices(8, 20) and columns < 8 * 20 * 3 // 4
+    with torch.no_grad():
+        full = response_logprobs(model, batch)
+        out = torch.zeros_like(full)
+        for cut in cuts:
+            out[cut] = response_logprobs(model, batch.rows(cut), trim_multiple=4)
+    resp = batch.response_mask
+    torch.testing.assert_close(out * resp, full * resp, rtol=1e-5, atol=1e-5)
+    # No token budget: RLinf's row count, still grouped by length.
+    pairs = [sorted(c.tolist()) for c in micro_batches(batch, MicroBatchRule(least=2, tokens=0), 4)]
+    assert pairs == [[0, 4], [2, 6], [1, 3], [5, 7]]
+    # A row without a real column (all padding) still lands in one micro-batch.
+    empty = varied_batch((0, 3), (0, 4), 4, 6)
+    assert [c.tolist() for c in micro_batches(empty, MicroBatchRule(least=1, tokens=8), 2)] == [
+        [1],
+        [0],
+    ]
 
 
 def test_weights_travel_in_the_consumers_dtype():
