@@ -253,16 +253,12 @@ class RunnerConfig:
     memory plan picks it (as micro_batch_tokens), never below LOGPROB_MICRO_BATCH_TOKENS_FLOOR,
     which is also the value where no GPU budget is known."""
     trim_padding_multiple: int = 0
-    """0 keeps every micro-batch at full width, its rows in order. N >= 1: the inference and
-    actor forwards cut rows by where their answers end (longest first; as many rows as fit the
-    micro-batch token budget at the width they trim to, engines/models.micro_batches) and drop
+    """0 keeps every micro-batch at full width. N >= 1: the inference and actor forwards drop
     the columns that are padding in every row of a micro-batch (prompt padding on the left,
-    columns after its longest answer on the right), keeping a width that is a multiple of N
-    (128 keeps the shapes few on GPUs). Exact: the same log-probs and gradient. With answers
-    of varied length the forwards then compute about the real tokens, not rows x the longest
-    answer. Off by default: on an H200 it made the starting config's step slightly slower
-    (2.85 s instead of 2.78 s: its random model's answers all run to the limit, so there is
-    little padding, and the compiled actor meets several widths)."""
+    columns after the longest answer on the right), keeping a width that is a multiple of N
+    (128 keeps the shapes few on GPUs). Exact. On an H200 it made the starting config's step
+    slightly slower (2.85 s instead of 2.78 s: little padding there, and the compiled actor
+    meets several widths), hence off by default."""
     rollout_dump: bool = True
     """Write every step's answers to rollouts/step_<N>.jsonl in the run directory, one JSON
     line per answer (data index, query id, prompt, answer, reward, advantage, length, whether

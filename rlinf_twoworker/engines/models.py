@@ -284,15 +284,12 @@ def compiler_failed(exc: BaseException) -> bool:
     )
 
 
-def compile_layers(model: Any, on: bool, dynamic: bool = False) -> None:
+def compile_layers(model: Any, on: bool) -> None:
     """Compile each decoder layer's forward in place (nn.Module.compile: parameter names,
-    state dicts and FSDP hooks are unchanged), or with on=False undo it. `dynamic`: the
-    batch's rows and width are symbolic from the first compile, for forwards that meet many
-    shapes (the length-aware cut: runner.trim_padding_multiple); otherwise each new shape
-    compiles once more until torch.compile makes the changing sizes symbolic itself."""
+    state dicts and FSDP hooks are unchanged), or with on=False undo it."""
     for layer in model.model.layers:
         if on:
-            layer.compile(dynamic=True if dynamic else None)
+            layer.compile()
         else:
             layer._compiled_call_impl = None  # what nn.Module.compile() set
 

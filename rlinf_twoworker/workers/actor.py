@@ -102,22 +102,17 @@ def set_training_mode(model: Any, activation_checkpointing: bool) -> None:
 
 
 def prepare_unwrapped(
-    model: Any,
-    *,
-    precision: MixedPrecision | None,
-    activation_checkpointing: bool,
-    compiled: bool,
-    dynamic: bool = False,
+    model: Any, *, precision: MixedPrecision | None, activation_checkpointing: bool, compiled: bool
 ) -> Any:
     """`model` ready to train, before any wrapping: train mode, activation recompute, the
     buffers in buffer_dtype and the compiled layers. `prepare_for_training` wraps it in FSDP2
     after this; one actor rank trains it as it is (ActorConfig.fsdp_wraps), its forward and
     backward under `computing_in(model, param_dtype)`, which gives them FSDP2's mixed
-    precision at one rank. `dynamic`: compile for many shapes (compile_layers)."""
+    precision at one rank."""
     set_training_mode(model, activation_checkpointing)
     if precision is not None:
         _cast_buffers(model, _dtype(precision.buffer_dtype))
-    compile_layers(model, compiled, dynamic)
+    compile_layers(model, compiled)
     return model
 
 
@@ -129,7 +124,6 @@ def prepare_for_training(
     activation_checkpointing: bool,
     compiled: bool,
     reshard_after_forward: bool = True,
-    dynamic: bool = False,
 ) -> Any:
     """Shard `model` with FSDP2 over `mesh`, one unit per decoder layer plus the root.
 
@@ -150,7 +144,6 @@ def prepare_for_training(
         precision=precision,
         activation_checkpointing=activation_checkpointing,
         compiled=compiled,
-        dynamic=dynamic,
     )
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if precision is not None:
@@ -239,7 +232,6 @@ class ActorWorker(Worker):
         self.compiled = gpu and cfg.actor.compile
         precision = cfg.actor.fsdp_config.mixed_precision if gpu else None
         self.wrapped = cfg.actor.fsdp_wraps(dist.get_world_size(self.actor_group), gpu)
-        many_shapes = cfg.trim_padding_multiple >= 1  # the length-aware cut's micro-batches
         if self.wrapped:
             model = prepare_for_training(
                 model,
@@ -248,7 +240,6 @@ class ActorWorker(Worker):
                 activation_checkpointing=cfg.actor.recompute,
                 compiled=self.compiled,
                 reshard_after_forward=cfg.actor.fsdp_config.reshard_after_forward,
-                dynamic=many_shapes,
             )
         else:
             model = prepare_unwrapped(
@@ -256,7 +247,6 @@ class ActorWorker(Worker):
                 precision=precision,
                 activation_checkpointing=cfg.actor.recompute,
                 compiled=self.compiled,
-                dynamic=many_shapes,
             )
             self.compute_dtype = _dtype(precision.param_dtype) if precision else None
         self.model = model
