@@ -51,6 +51,7 @@ from rlinf_twoworker.run.head_start import RunHeadStart
 from rlinf_twoworker.run.liveness import Watch, liveness_error, root_cause
 from rlinf_twoworker.run.observers import (
     MemoryMetrics,
+    PaddingHint,
     RayMetrics,
     RunObserver,
     StartupRecord,
@@ -697,6 +698,7 @@ class RunController:
             StartupRecord(group, self.cfg, self.clock, self.log, self.warm_up, self.head_start),
             MemoryMetrics(group, self.cfg),
             StepLine(self.log, self.total_steps),  # before the step's scalars are written
+            PaddingHint(self.log, self.cfg),
             TensorBoard(self.io, self.cfg, self.total_steps),
             self.ray_metrics,
         ]

@@ -1,6 +1,6 @@
 """What a run reports as it goes, each concern one observer the run loop calls at named points
-(as Ray Train's callbacks): the start-up record, the memory metrics, the STEP line, TensorBoard,
-Ray's metrics. None of them trains; each reads only what it is given.
+(as Ray Train's callbacks): the start-up record, the memory metrics, the STEP line, the padding
+hint, TensorBoard, Ray's metrics. None of them trains; each reads only what it is given.
 
 The run loop (run/controller.py) calls, in the order of its observer list:
 
@@ -107,6 +107,35 @@ class StepLine(RunObserver):
 
     async def step_done(self, step: int, result: StepResult) -> None:
         self.log.info(step_line(step, self.total_steps, result))
+
+
+PADDING_HINT_BELOW = 0.6
+"""PaddingHint speaks when less than this share of the step's batches is real tokens."""
+
+
+class PaddingHint(RunObserver):
+    """One PERF_HINT line in the run log when the forwards compute mostly padding: answers
+    of varied length at full width (runner.trim_padding_multiple=0, the default), which the
+    length-aware cut would skip. Said once a run, from the second step (the first may be
+    unlike the rest)."""
+
+    def __init__(self, log: RunLog, cfg: GRPOConfig) -> None:
+        self.log = log
+        self.on = cfg.runner.trim_padding_multiple == 0
+        self.said = False
+
+    async def step_done(self, step: int, result: StepResult) -> None:
+        share = result.metrics.get("throughput/real_token_share")
+        if not self.on or self.said or step < 2 or share is None or share >= PADDING_HINT_BELOW:
+            return
+        self.said = True
+        self.log.info(
+            f"PERF_HINT step {step}: real tokens are {share:.0%} of the rows the log-prob and "
+            "update forwards compute at full width (answers of varied length); "
+            "runner.trim_padding_multiple=128 cuts them by length and computes about the real "
+            "tokens (the same gradient; the first updates compile a few more shapes), see "
+            "docs/performance.md, Settings"
+        )
 
 
 class TensorBoard(RunObserver):

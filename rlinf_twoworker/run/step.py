@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from rlinf_twoworker.config import GRPOConfig
-from rlinf_twoworker.engines.models import dtype_for
+from rlinf_twoworker.engines.models import SequenceBatch, dtype_for
 from rlinf_twoworker.messages import PromptRow
 from rlinf_twoworker.results import StepResult
 from rlinf_twoworker.run.chunks import plan_chunks, split_for_actors
@@ -241,6 +241,7 @@ def _metrics(cfg: GRPOConfig, ran: Ran, synced: dict[str, float]) -> dict[str, f
         **_length_metrics(prompts.sum(-1), masks, cfg.max_new_tokens),
         **_actor_metrics(ran.trained[0].metrics),
         "throughput/generated_tokens_per_s": generated / max(rollout_s, 1e-9),
+        "throughput/real_token_share": real_token_share([r.batch for r in rollouts]),
         "throughput/trained_tokens_per_s": ran.trained[0].trained_tokens / max(train_s, 1e-9),
         "sync/bytes": synced["bytes"],
         **({"sync/verified": synced["verified"]} if "verified" in synced else {}),
@@ -319,6 +320,13 @@ async def validate(
 
 VALIDATION_SEED_OFFSET = 1_000_000_007
 """Validation samples with seeds apart from the training steps'."""
+
+
+def real_token_share(batches: list[SequenceBatch]) -> float:
+    """The share of the step's batches (rows x width, prompt and answer columns) that is real
+    tokens: what a forward at full width computes usefully (runner.trim_padding_multiple=0)."""
+    held = sum(b.attention_mask.numel() for b in batches)
+    return float(sum(int(b.attention_mask.sum()) for b in batches) / max(held, 1))
 
 
 def _rollout_metrics(

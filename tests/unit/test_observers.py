@@ -10,10 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+from support import varied_batch
 
 from rlinf_twoworker.config import load_config, to_typed
 from rlinf_twoworker.results import StepResult
-from rlinf_twoworker.run.observers import StepLine, TensorBoard, step_line
+from rlinf_twoworker.run.observers import PaddingHint, StepLine, TensorBoard, step_line
+from rlinf_twoworker.run.step import real_token_share
 from rlinf_twoworker.run.storage_io import StorageIO
 from rlinf_twoworker.run.tasks import background, in_daemon_thread
 from rlinf_twoworker.storage.metrics import event_files, read_scalars
@@ -71,6 +73,44 @@ def test_the_step_line_goes_to_the_runs_log(run):
     assert line.startswith("STEP 1/2 reward=0.5000 loss=-0.500000 ")
     assert "(rollout 1.00s, actor 0.80s, sync 0.10s)" in line
     assert line in (cfg.run_dir / "log" / "main.log").read_text()
+
+
+def test_the_padding_hint_speaks_once_when_the_forwards_compute_mostly_padding(run):
+    """From step 2, once, where the real tokens are under PADDING_HINT_BELOW of the batches
+    and the length-aware cut is off; never where it is on. The share is the metric the step
+    computes from its batches (step.real_token_share)."""
+    cfg, io = run
+    short = varied_batch((4, 6), (3, 20), 8, 24)  # 33 real tokens of 64 columns
+    full = varied_batch((8, 8), (24, 24), 8, 24)
+    assert real_token_share([short]) == pytest.approx(33 / 64)
+    assert real_token_share([short, full]) == pytest.approx((33 + 64) / 128)
+
+    def with_share(step: int, share: float) -> StepResult:
+        result = _result(step, 0.5)
+        result.metrics["throughput/real_token_share"] = share
+        return result
+
+    async def drive(observer: PaddingHint) -> None:
+        for step, share in ((1, 0.3), (2, 0.9), (3, 0.5), (4, 0.4)):
+            await observer.step_done(step, with_share(step, share))
+        await io.call(lambda: None)
+
+    asyncio.run(drive(PaddingHint(io.log, cfg)))
+    log = (cfg.run_dir / "log" / "main.log").read_text()
+    assert log.count("PERF_HINT") == 1
+    assert "PERF_HINT step 3: real tokens are 50% of the rows" in log
+    assert "runner.trim_padding_multiple=128" in log
+    on = to_typed(
+        load_config(
+            overrides=[
+                f"runner.output_dir={cfg.runner.output_dir}",
+                "runner.experiment_name=observed",
+                "runner.trim_padding_multiple=128",
+            ]
+        )
+    )
+    asyncio.run(drive(PaddingHint(io.log, on)))
+    assert (cfg.run_dir / "log" / "main.log").read_text().count("PERF_HINT") == 1
 
 
 def test_background_work_that_nobody_awaits_never_loses_its_error():
