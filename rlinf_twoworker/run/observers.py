@@ -131,7 +131,7 @@ class PaddingHint(RunObserver):
         self.said = True
         self.log.info(
             f"PERF_HINT step {step}: real tokens are {share:.0%} of the rows the log-prob and "
-            "update forwards compute at full width (answers of varied length); "
+            "update forwards compute at full width (prompts and answers padded to the longest); "
             "runner.trim_padding_multiple=128 cuts them by length and computes about the real "
             "tokens (the same gradient; the first updates compile a few more shapes), see "
             "docs/performance.md, Settings"
