@@ -12,11 +12,12 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 
+from rlinf_twoworker.config.schema import MicroBatchRule
 from rlinf_twoworker.errors import TwoWorkerError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -227,20 +228,9 @@ def kept_columns(first: int, last: int, p: int, width: int, multiple: int) -> tu
     return begin, begin + size
 
 
-class Cut(Protocol):
-    """A micro-batch rule (config.schema.MicroBatchRule): at least `least` rows, as many as
-    fit in `tokens` columns (0: exactly `least`)."""
-
-    @property
-    def least(self) -> int: ...
-
-    @property
-    def tokens(self) -> int: ...
-
-    def slices(self, rows: int, width: int) -> list[slice]: ...
-
-
-def micro_batches(batch: SequenceBatch, cut: Cut, multiple: int) -> list[slice | torch.Tensor]:
+def micro_batches(
+    batch: SequenceBatch, cut: MicroBatchRule, multiple: int
+) -> list[slice | torch.Tensor]:
     """The rows of each compute micro-batch of a forward over `batch`.
 
     `multiple` 0 (no trimming, every micro-batch runs at the batch's whole width): the rule's
