@@ -145,6 +145,39 @@ def test_length_aware_micro_batches_put_like_lengths_together_within_the_budget(
     ]
 
 
+def test_inference_gives_the_same_logprobs_in_row_order_with_the_length_aware_cut(tmp_path):
+    """InferenceWorker with runner.trim_padding_multiple: micro-batches out of row order, the
+    log-probs put back in each row's place; equal to the full-width cut's."""
+    from rlinf_twoworker.api.demo import demo_config
+    from rlinf_twoworker.config import to_typed
+    from rlinf_twoworker.config.settings import inference_settings
+    from rlinf_twoworker.workers.inference import InferenceWorker
+
+    inputs = make_inputs(tmp_path / "inputs")
+    batch = varied_batch((5, 8, 3, 6, 2, 7, 4, 8), (12, 2, 9, 3, 12, 1, 7, 2), 8, 12)
+    budget = [
+        "runner.logprob_micro_batch_tokens=40",
+        "algorithm.logprob_forward_micro_batch_size=1",
+    ]
+    out = {}
+    for trim in (0, 4):
+        cfg = to_typed(
+            demo_config(
+                inputs,
+                str(tmp_path / "runs"),
+                f"t{trim}",
+                [*budget, f"runner.trim_padding_multiple={trim}"],
+            )
+        )
+        settings = inference_settings(cfg)
+        cuts = micro_batches(batch, settings.micro_batch, trim)
+        if trim:
+            assert [c.tolist() for c in cuts][0] == [0, 4]  # not in row order
+        out[trim] = InferenceWorker(settings).compute_logprobs(batch).logprobs
+    assert torch.all(out[4][batch.response_mask == 0] == 0)
+    torch.testing.assert_close(out[4], out[0], rtol=1e-5, atol=1e-5)
+
+
 def test_weights_travel_in_the_consumers_dtype():
     """One dtype for both consumers when they share it; float32 when rollout and inference
     differ, so each casts once to its own precision (inference gets its own, not the
