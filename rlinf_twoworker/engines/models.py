@@ -309,6 +309,20 @@ def run_or_eager(
         return run()
 
 
+def keeps_logits(model: Any) -> bool:
+    """Whether `model`'s forward takes transformers' `logits_to_keep` (the output head runs on
+    the last N positions only); every causal LM family of transformers 5 does."""
+    import inspect
+
+    cls = type(model)
+    if cls not in _KEEPS_LOGITS:
+        _KEEPS_LOGITS[cls] = "logits_to_keep" in inspect.signature(cls.forward).parameters
+    return _KEEPS_LOGITS[cls]
+
+
+_KEEPS_LOGITS: dict[type, bool] = {}
+
+
 def response_logprobs(
     model: Any,
     batch: SequenceBatch,
@@ -334,15 +348,19 @@ def response_logprobs(
             return F.pad(out[0], (0, width)), F.pad(out[1], (0, width))
         return F.pad(out, (0, width))
 
+    p = batch.prompt_length
+    # Only the positions that predict an answer token go through the output head: the prompt's
+    # other positions would make logits (a vocabulary each) that nothing reads.
+    keep = {"logits_to_keep": batch.input_ids.shape[1] - p + 1} if keeps_logits(model) else {}
     logits = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,
+        **keep,
     ).logits
-    p = batch.prompt_length
     return token_logprobs(
-        logits[:, p - 1 : -1],
+        logits[:, -(batch.input_ids.shape[1] - p + 1) : -1],
         batch.input_ids[:, p:],
         fused=fused,
         temperature=temperature,

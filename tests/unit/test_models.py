@@ -58,7 +58,8 @@ def model(tmp_path_factory):
 
 
 def test_response_logprobs_line_up_with_the_response_tokens(model):
-    """Row b, column t is log p(response[b, t] | everything before it), on left-padded rows."""
+    """Row b, column t is log p(response[b, t] | everything before it), on left-padded rows;
+    the output head runs only on the positions that predict an answer token."""
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 60, (n,), generator=generator).tolist() for n in (5, 9, 3)]
     ids, mask = left_pad(prompts, pad_id=0, width=16)
@@ -72,8 +73,16 @@ def test_response_logprobs_line_up_with_the_response_tokens(model):
             position_ids=batch.position_ids,
         ).logits
         expected = logits[:, 15:-1].log_softmax(-1).gather(-1, responses.unsqueeze(-1))[..., 0]
-        got = response_logprobs(model, batch)
+        head_rows = []  # the positions the output head computes logits for
+        hook = model.lm_head.register_forward_hook(
+            lambda _m, args, _out: head_rows.append(args[0].shape[1])
+        )
+        try:
+            got = response_logprobs(model, batch)
+        finally:
+            hook.remove()
     assert got.shape == (3, 6)
+    assert head_rows == [7]  # the last prompt position and the answer's: not the whole 22
     torch.testing.assert_close(got * resp, expected * resp, rtol=1e-5, atol=1e-5)
 
 
