@@ -102,6 +102,7 @@ def token_logprobs(
     fused: bool = False,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    many_shapes: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """log softmax(logits / temperature)[b, t, labels[b, t]] in float32, as [B, T]; with
     `with_entropy` also the entropy of each position's distribution (RLinf computes both from
@@ -110,17 +111,24 @@ def token_logprobs(
     A [B, T, V] float32 log-softmax of a 152k vocabulary is gigabytes, so rows are processed
     `chunk_size` at a time and only the per-token values are kept. Gradients flow back into
     `logits`. fused=True computes each chunk with a `torch.compile`d kernel (same result;
-    meant for GPUs, where it saves the float32 round trips through memory).
+    meant for GPUs, where it saves the float32 round trips through memory). `many_shapes`
+    (calls of many rows and widths, as the length-aware cut makes): the fused kernel's first
+    compile takes its rows and width as dynamic, so later shapes reuse it.
     """
     if logits.shape[:2] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} differ")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     kernel = _fused_logprobs_entropy() if fused else _logprobs_entropy
-    parts = [
-        kernel(logits[start : start + chunk_size], labels[start : start + chunk_size], temperature)
-        for start in range(0, logits.shape[0], chunk_size)
-    ]
+    parts = []
+    for start in range(0, logits.shape[0], chunk_size):
+        rows, ids = logits[start : start + chunk_size], labels[start : start + chunk_size]
+        if fused and many_shapes:
+            for tensor in (rows, ids):
+                for dim in (0, 1):
+                    if tensor.shape[dim] > 1:
+                        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        parts.append(kernel(rows, ids, temperature))
     logprobs = torch.cat([p[0] for p in parts], dim=0)
     if not with_entropy:
         return logprobs

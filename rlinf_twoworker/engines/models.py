@@ -274,14 +274,46 @@ def compiler_failed(exc: BaseException) -> bool:
     )
 
 
-def compile_layers(model: Any, on: bool) -> None:
+def compile_layers(model: Any, on: bool, many_shapes: bool = False) -> None:
     """Compile each decoder layer's forward in place (nn.Module.compile: parameter names,
-    state dicts and FSDP hooks are unchanged), or with on=False undo it."""
+    state dicts and FSDP hooks are unchanged), or with on=False undo it. `many_shapes`: its
+    rows and width are dynamic from the first compile (mark_dynamic_layers)."""
     for layer in model.model.layers:
         if on:
             layer.compile()
         else:
             layer._compiled_call_impl = None  # what nn.Module.compile() set
+    if on and many_shapes and os.environ.get("RLINF_MARK_DYNAMIC", "1") != "0":
+        mark_dynamic_layers(model)
+
+
+def mark_dynamic_layers(model: Any) -> None:
+    """Before each call of a compiled decoder layer, mark its inputs' rows and width (the
+    dimensions of the sizes of hidden_states' first two) as dynamic, so the first compile
+    makes a graph for any rows and width instead of one per shape until torch.compile makes
+    them symbolic itself (the length-aware cut meets many shapes). Sizes of 1 still
+    specialize, and the last dimension of a 3-D input (hidden_states' hidden size, the rotary
+    tables' head_dim) never is marked, even where a batch's rows or width equal it: a
+    symbolic feature size would make every norm a looped reduction. Call after
+    compile_layers(model, True)."""
+    for layer in model.model.layers:
+        compiled = layer._compiled_call_impl
+        if compiled is None:
+            continue
+
+        def call(*args: Any, _compiled: Any = compiled, **kwargs: Any) -> Any:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            sizes = {int(hidden.shape[0]), int(hidden.shape[1])}
+            for value in (*args, *kwargs.values()):
+                for tensor in value if isinstance(value, tuple) else (value,):
+                    if isinstance(tensor, torch.Tensor):
+                        features = tensor.dim() - 1 if tensor.dim() == 3 else None
+                        for dim, size in enumerate(tensor.shape):
+                            if size > 1 and size in sizes and dim != features:
+                                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+            return _compiled(*args, **kwargs)
+
+        layer._compiled_call_impl = call
 
 
 T = TypeVar("T")
@@ -337,16 +369,27 @@ def response_logprobs(
 
     With `trim_multiple` >= 1 the forward runs on `batch.trimmed(trim_multiple)`; response
     columns it drops (padding in every row) come back as 0. `fused`: the log-softmax runs as
-    a compiled kernel (`token_logprobs`)."""
-    from rlinf_twoworker.algorithm import token_logprobs
-
+    a compiled kernel (`token_logprobs`; trimmed, its rows and width dynamic from the first
+    compile, as the layers' under compile_layers(many_shapes=True))."""
     if trim_multiple >= 1:
         part, kept = batch.trimmed(trim_multiple)
-        out = response_logprobs(model, part, 0, fused, temperature, with_entropy)
+        out = _logprobs(model, part, fused, temperature, with_entropy, many_shapes=True)
         width = batch.responses.shape[1] - kept
         if with_entropy:
             return F.pad(out[0], (0, width)), F.pad(out[1], (0, width))
         return F.pad(out, (0, width))
+    return _logprobs(model, batch, fused, temperature, with_entropy, many_shapes=False)
+
+
+def _logprobs(
+    model: Any,
+    batch: SequenceBatch,
+    fused: bool,
+    temperature: float,
+    with_entropy: bool,
+    many_shapes: bool,
+) -> Any:
+    from rlinf_twoworker.algorithm import token_logprobs
 
     p = batch.prompt_length
     # Only the positions that predict an answer token go through the output head: the prompt's
@@ -365,4 +408,5 @@ def response_logprobs(
         fused=fused,
         temperature=temperature,
         with_entropy=with_entropy,
+        many_shapes=many_shapes,
     )

@@ -102,7 +102,12 @@ def set_training_mode(model: Any, activation_checkpointing: bool) -> None:
 
 
 def prepare_unwrapped(
-    model: Any, *, precision: MixedPrecision | None, activation_checkpointing: bool, compiled: bool
+    model: Any,
+    *,
+    precision: MixedPrecision | None,
+    activation_checkpointing: bool,
+    compiled: bool,
+    many_shapes: bool = False,
 ) -> Any:
     """`model` ready to train, before any wrapping: train mode, activation recompute, the
     buffers in buffer_dtype and the compiled layers. `prepare_for_training` wraps it in FSDP2
@@ -112,7 +117,7 @@ def prepare_unwrapped(
     set_training_mode(model, activation_checkpointing)
     if precision is not None:
         _cast_buffers(model, _dtype(precision.buffer_dtype))
-    compile_layers(model, compiled)
+    compile_layers(model, compiled, many_shapes)
     return model
 
 
@@ -124,6 +129,7 @@ def prepare_for_training(
     activation_checkpointing: bool,
     compiled: bool,
     reshard_after_forward: bool = True,
+    many_shapes: bool = False,
 ) -> Any:
     """Shard `model` with FSDP2 over `mesh`, one unit per decoder layer plus the root.
 
@@ -144,6 +150,7 @@ def prepare_for_training(
         precision=precision,
         activation_checkpointing=activation_checkpointing,
         compiled=compiled,
+        many_shapes=many_shapes,
     )
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if precision is not None:
@@ -240,6 +247,7 @@ class ActorWorker(Worker):
                 activation_checkpointing=cfg.actor.recompute,
                 compiled=self.compiled,
                 reshard_after_forward=cfg.actor.fsdp_config.reshard_after_forward,
+                many_shapes=cfg.trim_padding_multiple >= 1,
             )
         else:
             model = prepare_unwrapped(
@@ -247,6 +255,7 @@ class ActorWorker(Worker):
                 precision=precision,
                 activation_checkpointing=cfg.actor.recompute,
                 compiled=self.compiled,
+                many_shapes=cfg.trim_padding_multiple >= 1,
             )
             self.compute_dtype = _dtype(precision.param_dtype) if precision else None
         self.model = model

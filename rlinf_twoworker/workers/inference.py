@@ -48,7 +48,7 @@ class InferenceWorker(PolicyCopy):
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch) -> LogProbs:
         if not self._layers_compiled:  # the decoder layers set to compile (with self.fused)
-            compile_layers(self.model, self.fused)
+            compile_layers(self.model, self.fused, self.settings.trim_padding_multiple >= 1)
             self._layers_compiled = True
         start = time.perf_counter()
         offload.require_weights(self.model, f"{self.component} rank {self.rank}")

@@ -187,6 +187,42 @@ def test_inference_gives_the_same_logprobs_in_row_order_with_the_length_aware_cu
     torch.testing.assert_close(out[4], out[0], rtol=1e-5, atol=1e-5)
 
 
+def test_marked_layers_compile_once_for_the_length_aware_cuts_shapes(tmp_path):
+    """compile_layers(many_shapes=True) and the trimmed forward's fused log-softmax: the
+    length-aware cut's micro-batches (several rows and widths) run through one compiled graph
+    each (the decoder layer, the log-softmax kernel), not one per new shape until
+    torch.compile makes the sizes symbolic itself; the log-probs and gradients are eager's."""
+    from torch._dynamo.utils import counters
+
+    from rlinf_twoworker.engines.models import compile_layers
+
+    path = make_inputs(tmp_path).model_path
+    gen = torch.Generator().manual_seed(0)
+    prompts = tuple(int(x) for x in torch.randint(4, 17, (24,), generator=gen))
+    answers = tuple(int(x) for x in torch.randint(2, 49, (24,), generator=gen))
+    batch = varied_batch(prompts, answers, 16, 48)
+    cuts = micro_batches(batch, MicroBatchRule(least=2, tokens=160), 8)
+    assert len({(len(c), int(batch.rows(c).trimmed(8)[0].input_ids.shape[1])) for c in cuts}) > 2
+    runs = {}
+    for marked in (False, True):
+        model = load_causal_lm(path, torch.float32, torch.device("cpu"))
+        if marked:
+            torch._dynamo.reset()
+            counters.clear()
+            compile_layers(model, True, many_shapes=True)
+        logprobs = torch.zeros(batch.response_mask.shape)
+        for cut in cuts:
+            part = batch.rows(cut)
+            out = response_logprobs(model, part, trim_multiple=8, fused=marked)
+            (out * part.response_mask).sum().backward()
+            logprobs[cut] = out.detach() * part.response_mask
+        runs[marked] = logprobs, {n: p.grad for n, p in model.named_parameters()}
+    assert counters["stats"]["unique_graphs"] == 2  # the layer and the log-softmax kernel
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-5)
+    for name, grad in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][name], grad, rtol=1e-4, atol=1e-5)
+
+
 def test_weights_travel_in_the_consumers_dtype():
     """One dtype for both consumers when they share it; float32 when rollout and inference
     differ, so each casts once to its own precision (inference gets its own, not the
