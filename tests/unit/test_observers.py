@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support import varied_batch
 
-from rlinf_twoworker.config import load_config, to_typed
+from rlinf_twoworker.config import GRPOConfig, load_config, to_typed
 from rlinf_twoworker.results import StepResult
 from rlinf_twoworker.run.observers import PaddingHint, StepLine, TensorBoard, step_line
 from rlinf_twoworker.run.step import real_token_share
@@ -95,21 +95,23 @@ def test_the_padding_hint_speaks_once_when_the_forwards_compute_mostly_padding(r
             await observer.step_done(step, with_share(step, share))
         await io.call(lambda: None)
 
-    asyncio.run(drive(PaddingHint(io.log, cfg)))
+    def config(trim: int) -> GRPOConfig:
+        return to_typed(
+            load_config(
+                overrides=[
+                    f"runner.output_dir={cfg.runner.output_dir}",
+                    "runner.experiment_name=observed",
+                    f"runner.trim_padding_multiple={trim}",
+                ]
+            )
+        )
+
+    asyncio.run(drive(PaddingHint(io.log, config(0))))
     log = (cfg.run_dir / "log" / "main.log").read_text()
     assert log.count("PERF_HINT") == 1
     assert "PERF_HINT step 3: real tokens are 50% of the rows" in log
     assert "runner.trim_padding_multiple=128" in log
-    on = to_typed(
-        load_config(
-            overrides=[
-                f"runner.output_dir={cfg.runner.output_dir}",
-                "runner.experiment_name=observed",
-                "runner.trim_padding_multiple=128",
-            ]
-        )
-    )
-    asyncio.run(drive(PaddingHint(io.log, on)))
+    asyncio.run(drive(PaddingHint(io.log, config(128))))
     assert (cfg.run_dir / "log" / "main.log").read_text().count("PERF_HINT") == 1
 
 
