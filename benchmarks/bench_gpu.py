@@ -21,7 +21,8 @@ Sections (each a median of several timed runs after warm-up, CUDA-synchronised):
              2048 tokens, 8x8 at 8192, the tutorial job under cluster.max_gpu_memory_gb=40
              (memory40) and as it is (tutorial); stage seconds, generated tokens/s, actor and
              inference MFU, each process's nvidia-smi peak beside its memory plan; --scale-cases,
-             --scale-steps, --scale-endurance-steps N (32x8@2048 runs N steps: does memory
+             --scale-steps, --scale-cold (each case on empty caches of its own),
+             --scale-endurance-steps N (32x8@2048 runs N steps: does memory
              grow after step 3?) (bench_scale.py; not in the default list)
   pipelining pipelined vs sequential GRPO steps on two one-GPU nodes, answers of varied length
              (bench_pipeline.py; not in the default list)
@@ -933,6 +934,7 @@ def _scale(
         results["bf16_matmul_tflops"],
         tuple(args.scale_override),
         save,
+        args.scale_cold,
     )
     out["table"] = scale_table({"scale": out})
     print(out["table"], flush=True)
@@ -1017,6 +1019,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="KEY=VALUE",
         help="an override for every scale case (repeatable), e.g. runner.micro_batch_tokens=16384",
+    )
+    parser.add_argument(
+        "--scale-cold",
+        action="store_true",
+        help="every scale case compiles on empty Inductor, Triton and compile caches of its own "
+        "(step 1 then compares across cases and calls; default: the caches are shared)",
     )
     args = parser.parse_args(argv)
     if args.scale_steps < 1:

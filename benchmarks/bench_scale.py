@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gpu.py --sections scale [--scale-cases 32x8@2048,memory40]
         [--scale-steps 3] [--scale-endurance-steps 30] [--scale-case-limit-s 900]
-        [--scale-override runner.micro_batch_tokens=16384 ...]
+        [--scale-override runner.micro_batch_tokens=16384 ...] [--scale-cold]
 
 Each case is one run of `run_grpo_two_worker` on a LocalCluster of one node with one GPU, every
 component on it (bench_gpu.TOPOLOGIES["colocated"]), the 1.5B shape with random weights, the
@@ -15,7 +15,10 @@ tutorial's data, a checkpoint at the last step (deleted after the case: ~21 GB):
             run out before the last step.
   memory40  the tutorial job (the library's defaults) with cluster.max_gpu_memory_gb=40
   tutorial  the tutorial job, the library's defaults
---scale-override adds overrides to every case.
+--scale-override adds overrides to every case. The cases of a call, and the calls on one machine,
+share their compiled code (Inductor's, Triton's and the library's compile caches under the
+benchmark root), so a case's step 1 depends on what ran before it; --scale-cold gives each case
+empty caches of its own, so step-1 figures compare across cases and calls.
 
 The reward: random weights answer every prompt wrongly, so the math grader gives a group's
 answers one score, every advantage is 0 and the update is not a real one. bench_rewards.parity
@@ -173,6 +176,27 @@ def _get(ref: Any, deadline: float, what: str, limit_s: float) -> Any:
         raise (cause if isinstance(cause, BaseException) else exc) from None
 
 
+def case_caches(root: Path, run_id: str, cold: bool) -> dict[str, Path]:
+    """Where a case's compiled code is kept: Inductor's and Triton's caches (the node-local
+    ones, through their environment variables) and the library's shared compile cache
+    (runner.compile_cache_dir). Shared by every case and call under `root` unless `cold`:
+    then directories of the case's own that start empty (and are removed after it), so its
+    step 1 pays every compile and compares with another cold case's."""
+    if cold:
+        own = root / "cold" / run_id
+        shutil.rmtree(own, ignore_errors=True)
+        return {
+            "TORCHINDUCTOR_CACHE_DIR": own / "inductor",
+            "TRITON_CACHE_DIR": own / "triton",
+            "compile_cache": own / "compile-cache",
+        }
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": root / "node-scale" / "inductor",
+        "TRITON_CACHE_DIR": root / "node-scale" / "triton",
+        "compile_cache": root / "compile-cache-scale",
+    }
+
+
 def run_case(
     model_dir: Path,
     root: Path,
@@ -182,9 +206,11 @@ def run_case(
     peak_tflops: float | None = None,
     extra: Sequence[str] = (),
     stamp: int | None = None,
+    cold: bool = False,
 ) -> dict[str, Any]:
     """One case (module docstring), its figures as a dict; never raises for the run's
-    failures: they are kept under "error" beside the figures of the finished steps."""
+    failures: they are kept under "error" beside the figures of the finished steps. `cold`:
+    the case compiles on empty caches of its own (case_caches)."""
     from bench_gpu import TOPOLOGIES, job_overrides  # benchmarks/ is the script's path
 
     from rlinf_twoworker.api.demo import make_inputs
@@ -211,8 +237,10 @@ def run_case(
         "time_limit_s": limit_s,
         "run_dir": str(run_dir),
     }
-    for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
-        os.environ[var] = str(root / "node-scale" / sub)  # inherited by the cluster's workers
+    caches = case_caches(root, run_id, cold)
+    out["caches"] = "cold: empty caches of its own" if cold else "shared with the other cases"
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        os.environ[var] = str(caches[var])  # inherited by the cluster's workers
     _on_pythonpath(BENCH)
     nodes, gpus, _ = TOPOLOGIES["colocated"]
     results: list[Any] = []
@@ -222,9 +250,10 @@ def run_case(
     report = None
     try:
         data = make_inputs(root / "inputs").data_path
-        cache = root / "compile-cache-scale"
         overrides = [
-            *job_overrides(model_dir, data, root, run_id, steps, compile_cache=cache),
+            *job_overrides(
+                model_dir, data, root, run_id, steps, compile_cache=caches["compile_cache"]
+            ),
             *own,
             *extra,
         ]
@@ -273,6 +302,8 @@ def run_case(
     finally:
         # ~21 GB of DCP files a checkpoint at this shape: the cases would fill a 64 GiB disk.
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        if cold:  # no later case may find what this one compiled
+            shutil.rmtree(root / "cold" / run_id, ignore_errors=True)
     out["case_s"] = time.perf_counter() - started
     out["component_pids"] = {str(pid): n for pid, n in pids.items()}
     if report is not None:
@@ -521,8 +552,10 @@ def bench_scale(
     peak_tflops: float | None = None,
     extra: Sequence[str] = (),
     save: Callable[[dict], None] | None = None,
+    cold: bool = False,
 ) -> dict[str, Any]:
-    """Every case in turn (module docstring); `save` gets the section after each case."""
+    """Every case in turn (module docstring); `save` gets the section after each case.
+    `cold`: every case on empty caches of its own (case_caches)."""
     from gpu_use import parse_used
 
     names = parse_cases(cases)
@@ -534,6 +567,7 @@ def bench_scale(
         "steps": steps,
         "endurance_steps": endurance_steps,
         "extra_overrides": list(extra),
+        "cold_caches": cold,
         "bf16_peak_tflops": peak_tflops,
     }
     out["gpu_before_gib"] = before = parse_used(_query_gpu())
@@ -542,7 +576,7 @@ def bench_scale(
         waited = None
         if before is not None:  # the last case's processes give their memory back
             waited = wait_released(0, before + 1.0, timeout_s=90)
-        case = run_case(model_dir, root, name, n, limit_s, peak_tflops, extra, stamp)
+        case = run_case(model_dir, root, name, n, limit_s, peak_tflops, extra, stamp, cold)
         case["gpu_used_at_case_start_gib"] = waited
         if n == endurance_steps and name == ENDURANCE_CASE:
             case["endurance"] = endurance(case.get("per_step", []))

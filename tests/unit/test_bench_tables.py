@@ -239,6 +239,23 @@ def test_growth_after_step_3(scale):
     assert e["gpu_rise_gib"] == {"actor:0": 0.0, "GPU": pytest.approx(0.1)}
 
 
+def test_cold_cases_compile_on_empty_caches_of_their_own(scale, tmp_path):
+    """--scale-cold: each case's Inductor, Triton and compile caches are its own and start
+    empty (a stale one from an earlier call is cleared); without it every case shares them."""
+    bench_scale, _ = scale
+    shared = [bench_scale.case_caches(tmp_path, run, cold=False) for run in ("a", "b")]
+    assert shared[0] == shared[1]
+    stale = tmp_path / "cold" / "a" / "inductor" / "old.bin"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("compiled before")
+    cold = [bench_scale.case_caches(tmp_path, run, cold=True) for run in ("a", "b")]
+    assert not stale.exists()
+    assert set(cold[0]) == set(shared[0])
+    for key in cold[0]:
+        assert cold[0][key] != cold[1][key] != shared[0][key] != cold[0][key]
+        assert tmp_path / "cold" in cold[0][key].parents
+
+
 def test_cases_parse_and_load_as_configs(scale, tmp_path):
     bench_scale, _ = scale
     from rlinf_twoworker.config import load_config, to_typed
