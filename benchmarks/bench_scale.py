@@ -176,6 +176,10 @@ def _get(ref: Any, deadline: float, what: str, limit_s: float) -> Any:
         raise (cause if isinstance(cause, BaseException) else exc) from None
 
 
+def _cold_dir(root: Path, run_id: str) -> Path:
+    return root / "cold" / run_id
+
+
 def case_caches(root: Path, run_id: str, cold: bool) -> dict[str, Path]:
     """Where a case's compiled code is kept: Inductor's and Triton's caches (the node-local
     ones, through their environment variables) and the library's shared compile cache
@@ -183,7 +187,7 @@ def case_caches(root: Path, run_id: str, cold: bool) -> dict[str, Path]:
     then directories of the case's own that start empty (and are removed after it), so its
     step 1 pays every compile and compares with another cold case's."""
     if cold:
-        own = root / "cold" / run_id
+        own = _cold_dir(root, run_id)
         shutil.rmtree(own, ignore_errors=True)
         return {
             "TORCHINDUCTOR_CACHE_DIR": own / "inductor",
@@ -303,7 +307,7 @@ def run_case(
         # ~21 GB of DCP files a checkpoint at this shape: the cases would fill a 64 GiB disk.
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         if cold:  # no later case may find what this one compiled
-            shutil.rmtree(root / "cold" / run_id, ignore_errors=True)
+            shutil.rmtree(_cold_dir(root, run_id), ignore_errors=True)
     out["case_s"] = time.perf_counter() - started
     out["component_pids"] = {str(pid): n for pid, n in pids.items()}
     if report is not None:

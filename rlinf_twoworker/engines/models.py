@@ -7,6 +7,8 @@ configured directory, with no hub access: a wrong path fails here with a clear m
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -344,15 +346,13 @@ def run_or_eager(
 def keeps_logits(model: Any) -> bool:
     """Whether `model`'s forward takes transformers' `logits_to_keep` (the output head runs on
     the last N positions only); every causal LM family of transformers 5 does."""
-    import inspect
-
-    cls = type(model)
-    if cls not in _KEEPS_LOGITS:
-        _KEEPS_LOGITS[cls] = "logits_to_keep" in inspect.signature(cls.forward).parameters
-    return _KEEPS_LOGITS[cls]
+    cls: Any = type(model)  # a class is hashable, whatever typeshed says of type[Any]
+    return _forward_takes_logits_to_keep(cls)
 
 
-_KEEPS_LOGITS: dict[type, bool] = {}
+@functools.cache
+def _forward_takes_logits_to_keep(cls: Any) -> bool:
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 def response_logprobs(
@@ -392,9 +392,11 @@ def _logprobs(
     from rlinf_twoworker.algorithm import token_logprobs
 
     p = batch.prompt_length
-    # Only the positions that predict an answer token go through the output head: the prompt's
-    # other positions would make logits (a vocabulary each) that nothing reads.
-    keep = {"logits_to_keep": batch.input_ids.shape[1] - p + 1} if keeps_logits(model) else {}
+    # Only the positions that predict an answer token (the last prompt position's and the
+    # answer's but its last) go through the output head: the prompt's other positions would
+    # make logits (a vocabulary each) that nothing reads.
+    predicting = batch.input_ids.shape[1] - p + 1
+    keep = {"logits_to_keep": predicting} if keeps_logits(model) else {}
     logits = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -403,7 +405,7 @@ def _logprobs(
         **keep,
     ).logits
     return token_logprobs(
-        logits[:, -(batch.input_ids.shape[1] - p + 1) : -1],
+        logits[:, -predicting:-1],
         batch.input_ids[:, p:],
         fused=fused,
         temperature=temperature,

@@ -239,6 +239,7 @@ class ActorWorker(Worker):
         self.compiled = gpu and cfg.actor.compile
         precision = cfg.actor.fsdp_config.mixed_precision if gpu else None
         self.wrapped = cfg.actor.fsdp_wraps(dist.get_world_size(self.actor_group), gpu)
+        many_shapes = cfg.trim_padding_multiple >= 1  # the length-aware cut's micro-batches
         if self.wrapped:
             model = prepare_for_training(
                 model,
@@ -247,7 +248,7 @@ class ActorWorker(Worker):
                 activation_checkpointing=cfg.actor.recompute,
                 compiled=self.compiled,
                 reshard_after_forward=cfg.actor.fsdp_config.reshard_after_forward,
-                many_shapes=cfg.trim_padding_multiple >= 1,
+                many_shapes=many_shapes,
             )
         else:
             model = prepare_unwrapped(
@@ -255,7 +256,7 @@ class ActorWorker(Worker):
                 precision=precision,
                 activation_checkpointing=cfg.actor.recompute,
                 compiled=self.compiled,
-                many_shapes=cfg.trim_padding_multiple >= 1,
+                many_shapes=many_shapes,
             )
             self.compute_dtype = _dtype(precision.param_dtype) if precision else None
         self.model = model

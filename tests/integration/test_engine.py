@@ -134,7 +134,7 @@ def test_two_step_run_end_to_end(reference_run, inputs, tmp_path):
     )
     # The share of the step's batches that is real tokens; under 0.6 at step 2 (the tiny
     # model's short answers) with the length-aware cut off, main.log says once that the cut
-    # would skip the rest; with it on (the default) it says nothing.
+    # would skip the rest; with it on it says nothing.
     share = step2.metrics["throughput/real_token_share"]
     assert 0 < step1.metrics["throughput/real_token_share"] <= 1 and 0 < share <= 1
     hints = (run_dir / "log" / "main.log").read_text().count("PERF_HINT step 2: real tokens")
