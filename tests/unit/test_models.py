@@ -223,6 +223,34 @@ def test_marked_layers_compile_once_for_the_length_aware_cuts_shapes(tmp_path):
         torch.testing.assert_close(runs[True][1][name], grad, rtol=1e-4, atol=1e-5)
 
 
+def test_marks_leave_the_feature_sizes_static_when_a_batch_size_equals_them(model):
+    """mark_dynamic_layers marks rows and width but never a 3-D input's last dimension: with a
+    width equal to the hidden size (64 in the tiny model), hidden_states' width is marked and
+    its hidden size is not (a symbolic hidden size would make every norm a looped reduction)."""
+    from rlinf_twoworker.engines.models import mark_dynamic_layers
+
+    hidden_size = model.config.hidden_size
+    seen: list[torch.Tensor] = []
+    layers = model.model.layers
+    try:
+        for layer in layers:  # record what the compiled call would get, without compiling
+            layer._compiled_call_impl = lambda *args, _layer=layer, **kwargs: (
+                seen.append(args[0] if args else kwargs["hidden_states"]),
+                _layer.forward(*args, **kwargs),
+            )[1]
+        mark_dynamic_layers(model)
+        ids = torch.randint(3, 60, (3, hidden_size))
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    finally:
+        for layer in layers:
+            layer._compiled_call_impl = None
+    assert len(seen) == len(layers)
+    for hidden in seen:
+        assert hidden.shape == (3, hidden_size, hidden_size)
+        assert hidden._dynamo_weak_dynamic_indices == {0, 1}
+
+
 def test_weights_travel_in_the_consumers_dtype():
     """One dtype for both consumers when they share it; float32 when rollout and inference
     differ, so each casts once to its own precision (inference gets its own, not the
