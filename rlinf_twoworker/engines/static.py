@@ -15,7 +15,10 @@ max_new tokens), and prefills the next waiting rows into their slots: an eager f
 rows alone, outside the graph, writing their prompt's keys into cache columns 0..P-1 of those
 slots and resetting their rows of the decode state. A long answer thus never idles the other
 slots, and rows beyond the slots decode in waves. The number of slots (StaticEngine) is
-min(rows, rollout.max_batch_size, what fits in free GPU memory; engines/kv_memory.py).
+min(rows, rollout.max_batch_size, what fits in free GPU memory; engines/kv_memory.py). P is the
+prompts' width less the leading columns that are padding in every row of the call: those are
+dropped before the first prefill, so a batch of short prompts padded to
+data.max_prompt_length neither prefills nor reads them.
 
 A decode step is small-batch and bound by reading the weights and the cache, so it is built from
 few kernels (engines/static_kernels.py): the q/k/v and gate/up projections run as one GEMM each,
@@ -144,6 +147,9 @@ class RunStats:
     slots: int
     max_len: int = 1
     """Cache columns a slot holds (prompt + answer)."""
+    prompt_columns: int = 0
+    """Cache columns the prompts take: their padded width less the leading columns that are
+    padding in every row, which are dropped before the prefill (no row attends to them)."""
     prefills: int = 0
     """Prefill forwards: the first fill and every refill, each cut into PREFILL_TOKENS chunks."""
     prefill_rows: int = 0
@@ -170,6 +176,14 @@ class _Slots:
     owner: torch.Tensor
     age: torch.Tensor
     next_row: int = 0
+
+
+def first_prompt_column(mask: torch.Tensor) -> int:
+    """The first column of left-padded prompts' `mask` [R, P] that some row's prompt uses:
+    the columns before it are padding in every row. The last column when every column is
+    padding in every row (one column is kept: the prefill needs a token to forward)."""
+    used = torch.nonzero(mask.bool().any(0)).flatten()
+    return int(used[0]) if len(used) else max(0, mask.shape[1] - 1)
 
 
 def answer_width(answers: torch.Tensor, eos_ids: list[int]) -> int:
@@ -400,7 +414,10 @@ class StaticSampler:
         s: SamplingSettings,
     ) -> torch.Tensor:
         """Left-padded prompts [R, P], any number of rows -> answers [R, <= max_new] in the
-        same order, padded with pad_id after EOS. A failure of Triton in the split-KV kernel
+        same order, padded with pad_id after EOS. The leading columns that are padding in every
+        row are dropped first (stats.prompt_columns: the width left), so a short batch padded
+        to data.max_prompt_length neither prefills nor reads them; a row's own left padding,
+        within that width, stays and is masked out. A failure of Triton in the split-KV kernel
         switches decode attention to the grouped product, a torch.compile failure the kernels
         to eager, each with a warning, and generates again; every other error (out of memory,
         the model's own) propagates."""
@@ -447,6 +464,14 @@ class StaticSampler:
         pad_id: int,
         s: SamplingSettings,
     ) -> torch.Tensor:
+        # Prompts arrive left-padded to one width (data.max_prompt_length for a rollout), often
+        # far wider than the batch's longest prompt. A column that is padding in every row
+        # would still be prefilled and kept in the cache, and every decode step would read it
+        # (decode attention reads each slot's columns from 0). No row attends to it and
+        # positions count real tokens only, so dropping those columns changes no answer. Only
+        # the batch's common padding goes: p stays one width for every wave of this call.
+        start = first_prompt_column(mask)
+        ids, mask = ids[:, start:], mask[:, start:]
         rows, p = ids.shape
         if p + max_new > self.max_len:
             raise ValueError(
@@ -455,7 +480,7 @@ class StaticSampler:
         dev = self.k.device
         ids, mask = ids.to(dev), mask.to(dev).bool()
         self._reset(max_new, eos_ids, pad_id)
-        self.stats = RunStats(rows=rows, slots=self.batch, max_len=self.max_len)
+        self.stats = RunStats(rows=rows, slots=self.batch, max_len=self.max_len, prompt_columns=p)
         answers = torch.full((rows, max_new), pad_id, dtype=torch.long)
         slots = _Slots(torch.full((self.batch,), -1), torch.zeros(self.batch, dtype=torch.long))
         self._fill(torch.arange(self.batch), slots, ids, mask, s)
@@ -729,7 +754,8 @@ class StaticEngine:
 
     @property
     def last_run(self) -> RunStats | None:
-        """What the last generate() did: rows, slots, prefills, refills, decode steps."""
+        """What the last generate() did: rows, slots, prompt columns, prefills, refills, decode
+        steps."""
         return None if self.last is None else self.last.stats
 
     def sampler_for(self, rows: int, width: int, max_len: int) -> StaticSampler:

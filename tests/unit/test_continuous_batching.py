@@ -174,11 +174,13 @@ def test_each_slot_reads_its_prompt_from_a_slot_that_holds_it():
         before = sampler.source.clone()
         fill(free, slots, *args)
         checks["fills"] += 1
+        # The prompts' columns: WIDTH less the padding every row shares (dropped).
+        p = sampler.stats.prompt_columns
         for slot in range(5):
             src = int(sampler.source[slot])
-            assert torch.equal(sampler.k[:, src, :, :WIDTH], sampler.k[:, slot, :, :WIDTH])
-            assert torch.equal(sampler.v[:, src, :, :WIDTH], sampler.v[:, slot, :, :WIDTH])
-            assert torch.equal(sampler.valid[src, :WIDTH], sampler.valid[slot, :WIDTH])
+            assert torch.equal(sampler.k[:, src, :, :p], sampler.k[:, slot, :, :p])
+            assert torch.equal(sampler.v[:, src, :, :p], sampler.v[:, slot, :, :p])
+            assert torch.equal(sampler.valid[src, :p], sampler.valid[slot, :p])
             checks["shared"] += src != slot
             was = int(before[slot])
             checks["orphaned"] += slot not in free.tolist() and was != slot and src == slot
@@ -187,6 +189,7 @@ def test_each_slot_reads_its_prompt_from_a_slot_that_holds_it():
     torch.manual_seed(0)
     answers = sampler.generate(ids, mask, NEW, [3, 4, 5], 0, SamplingSettings(do_sample=True))
     assert sampler.stats.refilled_rows == 7 and checks["fills"] >= 3
+    assert sampler.stats.prompt_columns == 4  # prompts of 1 to 4 tokens
     assert len(set(_lengths(answers, [3, 4, 5]))) >= 3
     assert checks["shared"] > 0 and checks["orphaned"] > 0, checks
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import tiny_lm
+from support import generate_greedy, tiny_lm
 
 from rlinf_twoworker.api.demo import build_tokenizer, demo_config, make_inputs
 from rlinf_twoworker.config import to_typed
@@ -20,6 +20,7 @@ from rlinf_twoworker.engines.models import load_causal_lm, load_tokenizer
 from rlinf_twoworker.engines.static import (
     SamplingSettings,
     StaticSampler,
+    first_prompt_column,
     fuse_projections,
     penalize_repeats,
     pick_tokens,
@@ -78,6 +79,38 @@ def test_greedy_tokens_equal_generate(tiny, device):
         )
         assert torch.equal(out, ref[:, : out.shape[1]])
         assert out.shape[1] == ref.shape[1]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_padding_every_row_shares_is_dropped_and_answers_stay_the_same(device):
+    """The same prompts (longest 5 tokens) left-padded to 8 and to 8 + 37 columns, 6 rows in 2
+    slots (refills): the columns that are padding in every row are dropped before the prefill,
+    so both widths prefill and read 5 columns a prompt and give the same greedy answers
+    (generate's) and, at one seed, the same sampled answers. A row's own padding stays."""
+    model = _tiny_lm(vocab=61, logit_scale=4.0).to(device)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15], [16, 17, 18, 19], [20, 21]]
+    new, narrow = 24, 8
+    greedy, sampled = SamplingSettings(do_sample=False), SamplingSettings(do_sample=True)
+    answers, stats = {}, {}
+    for width in (narrow, narrow + 37):
+        ids, mask = left_pad(prompts, pad_id=0, width=width)
+        sampler = StaticSampler(model, 2, width + new, read_step=8)
+        answers[width, "greedy"] = sampler.generate(ids, mask, new, [-1], 0, greedy)
+        stats[width] = sampler.stats
+        assert sampler.stats.prompt_columns == 5, sampler.stats
+        assert sampler.stats.refilled_rows == 4
+        assert torch.equal(answers[width, "greedy"], generate_greedy(model, ids, mask, new))
+        torch.manual_seed(0)
+        answers[width, "sampled"] = sampler.generate(ids, mask, new, [-1], 0, sampled)
+    wide = narrow + 37
+    assert torch.equal(answers[narrow, "greedy"], answers[wide, "greedy"])
+    assert torch.equal(answers[narrow, "sampled"], answers[wide, "sampled"])
+    assert not torch.equal(answers[wide, "greedy"], answers[wide, "sampled"])
+    # Decode reads the same columns whatever the padded width.
+    assert stats[wide].read_columns == stats[narrow].read_columns
+    # Every column padding in every row: the last one is kept (the prefill needs a token).
+    assert first_prompt_column(torch.zeros(3, 7, dtype=torch.bool)) == 6
+    assert first_prompt_column(left_pad([[1], [2, 3]], pad_id=0, width=9)[1]) == 7
 
 
 def test_fused_projections_alias_the_parameters(tiny):
