@@ -189,6 +189,24 @@ class SequenceBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def model_attention_mask(self) -> torch.Tensor:
+        """The attention mask the log-prob and update forwards give the model. Where a row
+        begins with padding, its padding positions attend to no key (every key before them
+        is padding too): fully masked query rows, whose attention gradient PyTorch's
+        memory-efficient SDPA kernel can make NaN on GPUs for some mask layouts (seen on an
+        H100: every gradient NaN at the tutorial's shape with a batch trimmed to 64-column
+        multiples). Such a batch gets a 4-D boolean mask [B, 1, W, W], transformers' own
+        (causal, over real keys) with each position also seeing itself: the same attention
+        for every real position, and no fully masked row. A batch without left padding
+        keeps the 2-D mask (transformers then picks its kernels as before)."""
+        mask = self.attention_mask
+        if bool(mask[:, 0].all()):
+            return mask
+        width = mask.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool, device=mask.device).tril()
+        itself = torch.eye(width, dtype=torch.bool, device=mask.device)
+        return (causal & mask.bool()[:, None, None, :]) | itself
+
     def trimmed(self, multiple: int) -> tuple[SequenceBatch, int]:
         """The same rows without the columns that are padding in every row: leading prompt
         padding and the columns after the longest answer, the kept width rounded up to
@@ -399,7 +417,7 @@ def _logprobs(
     keep = {"logits_to_keep": predicting} if keeps_logits(model) else {}
     logits = model(
         input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
+        attention_mask=batch.model_attention_mask(),
         position_ids=batch.position_ids,
         use_cache=False,
         **keep,

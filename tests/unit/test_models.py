@@ -86,6 +86,53 @@ def test_response_logprobs_line_up_with_the_response_tokens(model):
     torch.testing.assert_close(got * resp, expected * resp, rtol=1e-5, atol=1e-5)
 
 
+def _plain_softmax_attention(module, query, key, value, attention_mask, scaling=None, **_):
+    """Attention whose softmax makes NaN for a query position that sees no key: what the
+    memory-efficient SDPA kernel's gradient can do on GPUs for such rows, here on the CPU."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = (query @ key.transpose(-1, -2)) * scaling
+    width = scores.shape[-1]
+    if attention_mask is None:  # no padding: transformers leaves the causal mask implicit
+        attention_mask = torch.ones(width, width, dtype=torch.bool).tril()
+    probs = scores.masked_fill(~attention_mask, float("-inf")).softmax(-1)
+    return (probs @ value).transpose(1, 2).contiguous(), probs
+
+
+def test_no_position_attends_to_nothing_so_left_padding_makes_no_nan(tmp_path):
+    """Left padding leaves a row's padding positions no key to attend to (every key before
+    them is padding). Under an attention that turns such rows into NaN (as the memory-
+    efficient SDPA kernel's gradient did on an H100: every gradient NaN at the tutorial's
+    shape), the forwards' mask (SequenceBatch.model_attention_mask: each position also sees
+    itself) keeps the log-probs and every gradient finite, and the log-probs of real answer
+    tokens equal those under transformers' own mask."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("rlinf_plain_softmax", _plain_softmax_attention)
+    AttentionMaskInterface.register("rlinf_plain_softmax", sdpa_mask)
+    model = load_causal_lm(make_inputs(tmp_path).model_path, torch.float32, torch.device("cpu"))
+    batch = varied_batch((5, 9, 3, 12), (6, 3, 10, 1), 16, 10)  # every row left-padded
+    mask4 = batch.model_attention_mask()
+    assert mask4.shape == (4, 1, 26, 26) and bool(mask4.any(-1).all())
+    with torch.no_grad():  # transformers' own mask under SDPA (the CPU's: no NaN)
+        logits = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+        ).logits
+    expected = logits[:, 15:-1].log_softmax(-1).gather(-1, batch.responses.unsqueeze(-1))[..., 0]
+    model.config._attn_implementation = "rlinf_plain_softmax"
+    out = response_logprobs(model, batch)
+    (out * 0.0).sum().backward()  # zero advantages: the gradient must be exactly 0
+    resp = batch.response_mask
+    torch.testing.assert_close(out * resp, expected * resp, rtol=1e-5, atol=1e-5)
+    for name, param in model.named_parameters():
+        assert param.grad is not None and bool((param.grad == 0).all()), name
+    full = varied_batch((16, 16), (10, 10), 16, 10)  # no left padding: the 2-D mask stays
+    assert full.model_attention_mask() is full.attention_mask
+
+
 @pytest.mark.parametrize("multiple", [1, 4, 128])
 def test_trimmed_batches_give_the_same_logprobs(model, multiple):
     """runner.trim_padding_multiple: dropping the columns that are padding in every row (left prompt
