@@ -1,7 +1,7 @@
 """Where one GRPO step's actor update goes at the tutorial job's shape, on one GPU.
 
     python -m benchmarks actor_step [--rows 16] [--group 2] [--seq 1024] [--prompt 256] [--cut 4096]
-        [--lengths full|varied] [--override KEY=VALUE ...]
+        [--lengths full|varied|short_prompts] [--override KEY=VALUE ...]
 
 The library's ActorWorker, built as a run builds it (one rank of an NCCL group: unwrapped with
 FSDP2's mixed precision, or FSDP2 with --override actor.fsdp_at_one_rank=true; compiled
@@ -10,11 +10,15 @@ and the starting config (the tutorial's minibatches: algorithm.n_minibatches of 
 runner.micro_batch_tokens is --cut (what the memory plan picks for the tutorial job). With
 --lengths full every answer runs to the token limit, as a random model's do; with varied the
 prompt and answer lengths are drawn as a trained model's vary (compare
-runner.trim_padding_multiple=0 and 128 there: the length-aware cut). Two updates compile and
-warm up; four are timed; one more is profiled (CPU and CUDA); then the log-prob recompute's
+runner.trim_padding_multiple=0 and 128 there: the length-aware cut); with short_prompts every
+prompt is 10 tokens left-padded to --prompt and every answer at the limit, the tutorial job's
+rows (the layout whose trimmed update made NaN gradients on an H100 before every position was
+given a key to attend to). Two updates compile
+and warm up; four are timed; one more is profiled (CPU and CUDA); then the log-prob recompute's
 forward over the same rows, cut as inference cuts it with --cut tokens, is timed three times.
-Prints one JSON object: the update's seconds by part (forward/backward, optimizer), the real
-and padded tokens, the GPU's busy share of the wall time (kernel time over wall time: well
+Prints one JSON object: the update's seconds by part (forward/backward, optimizer), each timed
+update's gradient norms (NaN: a broken update, whatever its seconds), the real and padded
+tokens, the GPU's busy share of the wall time (kernel time over wall time: well
 under 1 means the GPU waits on the host), the kernels by GPU time and the host operators by
 their own CPU time.
 """
@@ -31,6 +35,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+SHORT_PROMPT = 10
+"""Real tokens of a --lengths short_prompts prompt: the demo data's prompts are 10 tokens."""
 
 
 def _on_gpu(event) -> bool:
@@ -77,11 +85,13 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="a smoke run on CPUs (gloo)")
     parser.add_argument(
         "--lengths",
-        choices=("full", "varied"),
+        choices=("full", "varied", "short_prompts"),
         default="full",
         help="full: every answer runs to the token limit (a random model's); varied: prompt and "
         "answer lengths drawn uniformly (prompts 1/4..1 of --prompt, answers 1/16..1 of the "
-        "answer tokens), as a trained model's answers are",
+        "answer tokens), as a trained model's answers are; short_prompts: prompts of "
+        f"{SHORT_PROMPT} tokens left-padded to --prompt, answers at the limit (the tutorial "
+        "job's rows with the benchmarks' random model)",
     )
     parser.add_argument(
         "--override",
@@ -134,6 +144,10 @@ def main() -> None:
         response = (torch.arange(answer) < answers).long()
         mask = torch.cat([(torch.arange(args.prompt) >= args.prompt - prompts).long(), response], 1)
         ids = ids * mask
+    elif args.lengths == "short_prompts":
+        real = min(SHORT_PROMPT, args.prompt)
+        mask[:, : args.prompt - real] = 0
+        ids = ids * mask
     batch = SequenceBatch(ids, mask, response, args.prompt)
     sign = torch.where(torch.arange(args.rows) % 2 == 0, 1.0, -1.0).unsqueeze(-1)
     adv = sign * response
@@ -178,6 +192,9 @@ def main() -> None:
         "fsdp_wrapped": actor.wrapped,
         "warm_up_s": warm,
         "update_s": [t for t, _ in timed],
+        # Each timed update's minibatch gradient norms: a NaN here is a broken update (the
+        # optimiser skips it), whatever the seconds say.
+        "grad_norms": [[m["grad_norm"] for m in s.minibatches] for _, s in timed],
         "profiled_update_s": wall,
         "forward_backward_s": stats.forward_backward_seconds,
         "optimizer_s": stats.optimizer_seconds,

@@ -263,9 +263,9 @@ class RunnerConfig:
     answer (on an H100 at 64x8@2048, answers of 112-1792 tokens: the update 27% and the
     log-prob forward 34% faster; answers at full length: the same). The compiled layers and
     log-softmax then take their rows and width as dynamic from their first compile
-    (engines/models.mark_dynamic_layers). Off by default until the tutorial's step 1 is
-    shown no slower with it, both sides on empty compile caches (benchmarks' --scale-cold);
-    set 128 for long runs of varied answers."""
+    (engines/models.mark_dynamic_layers). Off by default: on empty compile caches on both
+    sides (benchmarks' --scale-cold, one H100) the tutorial's step 1 took about 10 s longer
+    with it (21.3 and 19.3 s against 9.3 and 9.7). Set 128 for long runs of varied answers."""
     rollout_dump: bool = True
     """Write every step's answers to rollouts/step_<N>.jsonl in the run directory, one JSON
     line per answer (data index, query id, prompt, answer, reward, advantage, length, whether
