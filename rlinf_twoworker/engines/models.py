@@ -202,10 +202,10 @@ class SequenceBatch:
         mask = self.attention_mask
         if bool(mask[:, 0].all()):
             return mask
-        width = mask.shape[1]
-        causal = torch.ones(width, width, dtype=torch.bool, device=mask.device).tril()
-        itself = torch.eye(width, dtype=torch.bool, device=mask.device)
-        return (causal & mask.bool()[:, None, None, :]) | itself
+        column = torch.arange(mask.shape[1], device=mask.device)
+        attend = (column[None, :] <= column[:, None]) & mask.bool()[:, None, None, :]
+        attend.diagonal(dim1=-2, dim2=-1).fill_(True)  # in place: no second [W, W] temporary
+        return attend
 
     def trimmed(self, multiple: int) -> tuple[SequenceBatch, int]:
         """The same rows without the columns that are padding in every row: leading prompt
