@@ -27,7 +27,8 @@ put on PYTHONPATH before the cluster starts, so the reward's grading processes i
 commit whose config has no reward.reward_fn the PxG@S cases run with the default reward (the
 case says so). memory40 and tutorial keep the default reward: they are the tutorial's job.
 
-Per case: every stage's seconds (time/... of StepResult.timings, the median over steps 2..N);
+Per case: every stage's seconds (time/... of StepResult.timings, the median over steps 2..N,
+and step 1's on their own);
 generated tokens/s per GPU (answer tokens, rollout/response_length x rows, over the rollout's
 seconds); inference MFU, 2 x N x answer tokens over the log-prob recompute's seconds, and
 actor MFU, 6 x N x trained (answer) tokens over the update's seconds, N the model's parameters
@@ -427,6 +428,9 @@ def summarise(
         out.update(
             steps_s=[r.timings.get("time/step") for r in results],
             median_stage_s=stages,
+            # Step 1 on its own: where its compiling goes (a setting that slows step 1 shows
+            # up here by stage, not only in steps_s[0]).
+            first_step_stage_s=dict(results[0].timings),
             step_s=stages.get("time/step"),
             **rate,
             inference_mfu=(2 * n_params * inference_tok / peak)

@@ -351,6 +351,8 @@ def test_scale_summary_and_table(scale, tmp_path):
     case = bench_scale.summarise(steps, 256, n, peak, sampler, names)
     assert case["median_stage_s"]["time/step"] == 38.5  # steps 2..3
     assert case["steps_s"] == [40.0, 38.0, 39.0]
+    assert case["first_step_stage_s"]["time/step"] == 40.0  # step 1 alone, by stage
+    assert case["first_step_stage_s"]["time/rollout"] == 20.0
     tokens = 256 * 1792.0
     assert case["answer_tokens"] == tokens
     assert case["generated_tokens_per_s_per_gpu"] == pytest.approx(tokens / 19.25)
