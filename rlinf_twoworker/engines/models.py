@@ -198,7 +198,8 @@ class SequenceBatch:
         multiples). Such a batch gets a 4-D boolean mask [B, 1, W, W], transformers' own
         (causal, over real keys) with each position also seeing itself: the same attention
         for every real position, and no fully masked row. A batch without left padding
-        keeps the 2-D mask (transformers then picks its kernels as before)."""
+        keeps the 2-D mask (transformers then picks its kernels as before), and so does a
+        model that windows its attention (windows_attention: its masks are transformers')."""
         mask = self.attention_mask
         if bool(mask[:, 0].all()):
             return mask
@@ -361,6 +362,16 @@ def run_or_eager(
         return run()
 
 
+def windows_attention(model: Any) -> bool:
+    """Whether some layer of `model` attends within a sliding window (Mistral's
+    sliding_window, Qwen2's use_sliding_window): transformers then makes a windowed mask
+    from the 2-D padding mask, which a ready 4-D mask would replace."""
+    config = model.config
+    return getattr(config, "sliding_window", None) is not None or "sliding_attention" in (
+        getattr(config, "layer_types", None) or ()
+    )
+
+
 def keeps_logits(model: Any) -> bool:
     """Whether `model`'s forward takes transformers' `logits_to_keep` (the output head runs on
     the last N positions only); every causal LM family of transformers 5 does."""
@@ -410,6 +421,9 @@ def _logprobs(
     from rlinf_twoworker.algorithm import token_logprobs
 
     p = batch.prompt_length
+    # A model that windows its attention gets the 2-D mask: transformers builds its windowed
+    # masks from it, and a 4-D one would replace them.
+    mask = batch.attention_mask if windows_attention(model) else batch.model_attention_mask()
     # Only the positions that predict an answer token (the last prompt position's and the
     # answer's but its last) go through the output head: the prompt's other positions would
     # make logits (a vocabulary each) that nothing reads.
@@ -417,7 +431,7 @@ def _logprobs(
     keep = {"logits_to_keep": predicting} if keeps_logits(model) else {}
     logits = model(
         input_ids=batch.input_ids,
-        attention_mask=batch.model_attention_mask(),
+        attention_mask=mask,
         position_ids=batch.position_ids,
         use_cache=False,
         **keep,

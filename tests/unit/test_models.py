@@ -133,6 +133,40 @@ def test_no_position_attends_to_nothing_so_left_padding_makes_no_nan(tmp_path):
     assert full.model_attention_mask() is full.attention_mask
 
 
+def test_a_windowed_model_keeps_transformers_masks():
+    """A model whose attention is windowed (Mistral's sliding_window) gets the 2-D padding
+    mask, from which transformers makes its windowed masks: its log-probs are those of a
+    plain call, where a ready causal 4-D mask would let each position see past the window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from rlinf_twoworker.engines.models import windows_attention
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+        attn_implementation="sdpa",
+    )
+    windowed = MistralForCausalLM(config).eval()
+    assert windows_attention(windowed)
+    batch = varied_batch((5, 9, 3), (6, 3, 10), 16, 10)
+    with torch.no_grad():
+        logits = windowed(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+        ).logits
+        got = response_logprobs(windowed, batch)
+    expected = logits[:, 15:-1].log_softmax(-1).gather(-1, batch.responses.unsqueeze(-1))[..., 0]
+    resp = batch.response_mask
+    torch.testing.assert_close(got * resp, expected * resp, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("multiple", [1, 4, 128])
 def test_trimmed_batches_give_the_same_logprobs(model, multiple):
     """runner.trim_padding_multiple: dropping the columns that are padding in every row (left prompt
