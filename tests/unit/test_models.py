@@ -133,6 +133,39 @@ def test_no_position_attends_to_nothing_so_left_padding_makes_no_nan(tmp_path):
     assert full.model_attention_mask() is full.attention_mask
 
 
+@pytest.mark.gpu
+def test_the_tutorials_trimmed_rows_give_finite_gradients_on_the_gpu():
+    """The layout whose update made every gradient NaN on an H100 (the tutorial's rows trimmed
+    to 64 columns: 54 columns of padding, a 10-token prompt, 768 answer tokens), through two
+    decoder layers with the 1.5B shape's attention (12 heads, 2 KV heads, head_dim 128) in
+    bf16 on the GPU's SDPA kernels: with the forwards' mask the log-probs and every gradient
+    are finite (zero loss weights: the gradient is exactly zero)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=256,
+        hidden_size=1536,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+    model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
+    rows, pad, real, answer = 4, 54, 10, 768
+    mask = torch.cat([torch.zeros(rows, pad), torch.ones(rows, real + answer)], 1).long()
+    ids = torch.randint(3, 256, mask.shape) * mask
+    batch = SequenceBatch(ids, mask, torch.ones(rows, answer, dtype=torch.long), pad + real)
+    out = response_logprobs(model, batch.to(torch.device("cuda")))
+    (out * 0.0).sum().backward()
+    assert bool(out.isfinite().all())
+    for name, param in model.named_parameters():
+        assert param.grad is not None and bool(param.grad.isfinite().all()), name
+
+
 def test_a_windowed_model_keeps_transformers_masks():
     """A model whose attention is windowed (Mistral's sliding_window) gets the 2-D padding
     mask, from which transformers makes its windowed masks: its log-probs are those of a
