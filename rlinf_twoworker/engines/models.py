@@ -198,15 +198,12 @@ class SequenceBatch:
         multiples). Such a batch gets a 4-D boolean mask [B, 1, W, W], transformers' own
         (causal, over real keys) with each position also seeing itself: the same attention
         for every real position, and no fully masked row. A batch without left padding
-        keeps the 2-D mask (transformers then picks its kernels as before), and so does a
-        model that windows its attention (windows_attention: its masks are transformers')."""
+        keeps the 2-D mask (transformers then picks its kernels as before). The caller gives
+        a model that windows its attention the 2-D mask instead (windows_attention)."""
         mask = self.attention_mask
         if bool(mask[:, 0].all()):
             return mask
-        column = torch.arange(mask.shape[1], device=mask.device)
-        attend = (column[None, :] <= column[:, None]) & mask.bool()[:, None, None, :]
-        attend.diagonal(dim1=-2, dim2=-1).fill_(True)  # in place: no second [W, W] temporary
-        return attend
+        return causal_self_mask(mask)
 
     def trimmed(self, multiple: int) -> tuple[SequenceBatch, int]:
         """The same rows without the columns that are padding in every row: leading prompt
@@ -236,6 +233,17 @@ class SequenceBatch:
         first = torch.where(real, mask.long().argmax(1), p - 1)
         last = torch.where(real, width - mask.flip(1).long().argmax(1), p)
         return first.tolist(), last.tolist()
+
+
+def causal_self_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A padding mask [B, W] -> the boolean attention mask [B, 1, W, W] (True: attend) in
+    which each position sees the real keys up to itself, and itself: a padding position
+    that no real key precedes is not fully masked (an all-masked row can turn into NaN in
+    attention kernels). Real positions attend as under the plain causal padding mask."""
+    column = torch.arange(mask.shape[1], device=mask.device)
+    attend = (column[None, :] <= column[:, None]) & mask.bool()[:, None, None, :]
+    attend.diagonal(dim1=-2, dim2=-1).fill_(True)  # in place: no second [W, W] temporary
+    return attend
 
 
 def kept_columns(first: int, last: int, p: int, width: int, multiple: int) -> tuple[int, int]:

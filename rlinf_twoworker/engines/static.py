@@ -58,7 +58,7 @@ from rlinf_twoworker.engines.decode_attention import (
     splits_for,
 )
 from rlinf_twoworker.engines.kv_memory import prefill_rows, slots_that_fit
-from rlinf_twoworker.engines.models import run_or_eager
+from rlinf_twoworker.engines.models import causal_self_mask, run_or_eager
 from rlinf_twoworker.engines.sampling import SamplingSettings, race_compiled
 from rlinf_twoworker.engines.static_kernels import (
     EAGER,
@@ -603,11 +603,8 @@ class StaticSampler:
     ) -> torch.Tensor:
         """One prefill forward of prompts [n, P] (positions `pos`, padding excluded) into
         `slots`: their keys and values written, the last position's logits returned."""
-        p = ids.shape[1]
-        causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
         # Rows that are all padding in their first columns still need one visible key.
-        eye = torch.eye(p, dtype=torch.bool, device=ids.device)
-        attn_mask = ((causal & mask.unsqueeze(1)) | eye).unsqueeze(1)
+        attn_mask = causal_self_mask(mask)
         self.stats.prefills += 1
         return self._forward(ids, pos, attn_mask, slots)
 

@@ -57,6 +57,19 @@ def model(tmp_path_factory):
     return load_causal_lm(path, torch.float32, torch.device("cpu"))
 
 
+def _plain_call_logprobs(model, batch):
+    """Each answer token's log-prob from one plain call of `model` with the 2-D padding mask
+    (transformers' own masks), the whole vocabulary's log-softmax: the reference."""
+    p = batch.prompt_length
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+        ).logits
+    return logits[:, p - 1 : -1].log_softmax(-1).gather(-1, batch.responses.unsqueeze(-1))[..., 0]
+
+
 def test_response_logprobs_line_up_with_the_response_tokens(model):
     """Row b, column t is log p(response[b, t] | everything before it), on left-padded rows;
     the output head runs only on the positions that predict an answer token."""
@@ -66,13 +79,8 @@ def test_response_logprobs_line_up_with_the_response_tokens(model):
     responses = torch.randint(3, 60, (3, 6), generator=generator)
     resp = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0], [1] * 6])
     batch = SequenceBatch(torch.cat([ids, responses], 1), torch.cat([mask, resp], 1), resp, 16)
+    expected = _plain_call_logprobs(model, batch)
     with torch.no_grad():
-        logits = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-        ).logits
-        expected = logits[:, 15:-1].log_softmax(-1).gather(-1, responses.unsqueeze(-1))[..., 0]
         head_rows = []  # the positions the output head computes logits for
         hook = model.lm_head.register_forward_hook(
             lambda _m, args, _out: head_rows.append(args[0].shape[1])
@@ -115,13 +123,7 @@ def test_no_position_attends_to_nothing_so_left_padding_makes_no_nan(tmp_path):
     batch = varied_batch((5, 9, 3, 12), (6, 3, 10, 1), 16, 10)  # every row left-padded
     mask4 = batch.model_attention_mask()
     assert mask4.shape == (4, 1, 26, 26) and bool(mask4.any(-1).all())
-    with torch.no_grad():  # transformers' own mask under SDPA (the CPU's: no NaN)
-        logits = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-        ).logits
-    expected = logits[:, 15:-1].log_softmax(-1).gather(-1, batch.responses.unsqueeze(-1))[..., 0]
+    expected = _plain_call_logprobs(model, batch)  # under SDPA (the CPU's: no NaN)
     model.config._attn_implementation = "rlinf_plain_softmax"
     out = response_logprobs(model, batch)
     (out * 0.0).sum().backward()  # zero advantages: the gradient must be exactly 0
@@ -188,14 +190,9 @@ def test_a_windowed_model_keeps_transformers_masks():
     windowed = MistralForCausalLM(config).eval()
     assert windows_attention(windowed)
     batch = varied_batch((5, 9, 3), (6, 3, 10), 16, 10)
+    expected = _plain_call_logprobs(windowed, batch)
     with torch.no_grad():
-        logits = windowed(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-        ).logits
         got = response_logprobs(windowed, batch)
-    expected = logits[:, 15:-1].log_softmax(-1).gather(-1, batch.responses.unsqueeze(-1))[..., 0]
     resp = batch.response_mask
     torch.testing.assert_close(got * resp, expected * resp, rtol=1e-5, atol=1e-5)
 
