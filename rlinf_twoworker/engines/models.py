@@ -290,7 +290,32 @@ def micro_batches(
                 continue
         groups.append([i])
         low = first[i]
+    _no_lone_last_row(groups, cut, first, last, p, width, multiple)
     return [torch.tensor(sorted(group)) for group in groups]
+
+
+def _no_lone_last_row(
+    groups: list[list[int]],
+    cut: MicroBatchRule,
+    first: list[int],
+    last: list[int],
+    p: int,
+    width: int,
+    multiple: int,
+) -> None:
+    """Where the last micro-batch is one row left over and the one before has rows to
+    spare, move that one's shortest row into the last, if the two fit the token budget. A
+    one-row batch is a shape of its own to compiled code (torch.compile specializes sizes of
+    1 even where rows are marked dynamic), so a step whose rows leave one over would compile
+    again, for seconds on a GPU, where the warm-up's full-length rows did not."""
+    if len(groups) < 2 or len(groups[-1]) != 1 or len(groups[-2]) <= max(2, cut.least):
+        return
+    pair = [groups[-2][-1], groups[-1][0]]
+    begin, end = kept_columns(
+        min(first[i] for i in pair), max(last[i] for i in pair), p, width, multiple
+    )
+    if cut.tokens and 2 * (end - begin) <= cut.tokens:
+        groups[-1].insert(0, groups[-2].pop())
 
 
 def compiler_failed(exc: BaseException) -> bool:

@@ -246,7 +246,7 @@ def test_length_aware_micro_batches_put_like_lengths_together_within_the_budget(
     assert ends == sorted(ends, reverse=True)  # the longest answers first
     assert rows[0] == [0, 4]  # the two 12-token answers
     in_order = micro_batches(batch, rule, 0)
-    assert in_order == rule.slices(8, 20) and columns < 8 * 20 * 3 // 4
+    assert in_order == rule.slices(8, 20) and columns <= 8 * 20 * 3 // 4
     with torch.no_grad():
         full = response_logprobs(model, batch)
         out = torch.zeros_like(full)
@@ -332,6 +332,56 @@ def test_marked_layers_compile_once_for_the_length_aware_cuts_shapes(tmp_path):
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-5)
     for name, grad in runs[False][1].items():
         torch.testing.assert_close(runs[True][1][name], grad, rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_with_one_row_over_compiles_nothing_the_warm_up_did_not(tmp_path):
+    """Rows that leave one over after whole micro-batches (7 rows, 3 fit): the length-aware
+    cut makes no one-row micro-batch where the one before has a row to spare, since
+    torch.compile specializes a size of 1 even where rows are marked dynamic. The warm-up's
+    full-length rows and then such a step run through the graphs compiled once (the decoder
+    layer, the log-softmax kernel), every micro-batch within the budget."""
+    from torch._dynamo.utils import counters
+
+    from rlinf_twoworker.engines.models import compile_layers
+    from rlinf_twoworker.run.warmup import full_length_batch
+
+    rule = MicroBatchRule(least=1, tokens=48)  # 3 rows at the step's trimmed width, 16
+    step = varied_batch((3,) * 7, (12,) * 7, 8, 16)
+    cuts = micro_batches(step, rule, 8)
+    assert [tuple(step.rows(c).trimmed(8)[0].input_ids.shape) for c in cuts] == [
+        (3, 16),
+        (2, 16),
+        (2, 16),
+    ]
+    assert sorted(i for c in cuts for i in c.tolist()) == list(range(7))
+    first, last = step.spans()
+    for c in cuts:
+        rows = c.tolist()
+        begin, end = kept_columns(min(first[i] for i in rows), max(last[i] for i in rows), 8, 24, 8)
+        assert len(rows) * (end - begin) <= rule.tokens
+
+    class Shape:  # what full_length_batch reads of a config
+        class data:
+            max_prompt_length = 8
+
+        max_new_tokens = 16
+
+    warm = full_length_batch(Shape, 6)
+    warm = SequenceBatch(
+        torch.randint(3, 60, warm.input_ids.shape), warm.attention_mask, warm.response_mask, 8
+    )
+    model = load_causal_lm(make_inputs(tmp_path).model_path, torch.float32, torch.device("cpu"))
+    torch._dynamo.reset()
+    counters.clear()
+    compile_layers(model, True, many_shapes=True)
+    graphs = []
+    for batch in (warm, step):
+        for cut in micro_batches(batch, rule, 8):
+            part = batch.rows(cut)
+            out = response_logprobs(model, part, trim_multiple=8, fused=True)
+            (out * part.response_mask).sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [2, 2]  # the layer and the log-softmax kernel, both in the warm-up
 
 
 def test_marks_leave_the_feature_sizes_static_when_a_batch_size_equals_them(model):
