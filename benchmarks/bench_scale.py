@@ -475,7 +475,8 @@ def _updates(results: Sequence[Any]) -> dict[str, Any]:
 
 def per_step(results: Sequence[Any], sampler: GpuUseSampler, names: dict[int, str]) -> list:
     """Each step's nvidia-smi peaks (the GPU's and each process's, from the previous step's
-    end to its own) and each process's host RSS after it (its memory/<c>/<r>/host_rss_gib)."""
+    end to its own), each process's host RSS after it (its memory/<c>/<r>/host_rss_gib) and
+    its seconds in torch.compile during it (compile/<c>/<r>/seconds)."""
     out = []
     start = sampler.started_at or None
     for r in results:
@@ -494,6 +495,13 @@ def per_step(results: Sequence[Any], sampler: GpuUseSampler, names: dict[int, st
                     sampler.peak_by_pid(start, end), names, sampler.ancestors, sampler.commands
                 ),
                 "host_rss_gib": rss,
+                # Seconds each process spent in torch.compile during the step (a slow later
+                # step that compiled again shows here).
+                "compile_s": {
+                    ":".join(k.split("/")[1:3]): round(v, 3)
+                    for k, v in r.metrics.items()
+                    if k.startswith("compile/") and k.endswith("/seconds")
+                },
             }
         )
         start = end

@@ -137,9 +137,10 @@ async def prepared(head: RunHeadStart | None, clock: StartupClock, log: RunLog) 
 
 async def after_compiled_step(
     group: ComponentGroup, cfg: GRPOConfig, clock: StartupClock, log: RunLog, first: bool
-) -> None:
+) -> dict[str, float]:
     """Save newly compiled kernels to the shared compile cache; after the run's first step
-    also record each component's compile seconds."""
+    also record each component's compile seconds. Returns each process's seconds in
+    torch.compile so far, by '<component>/<rank>'."""
     answers = await _ask_all(
         group, Process.save_compile_cache, cfg.runner.timeouts.checkpoint_s, "compile cache"
     )
@@ -148,6 +149,7 @@ async def after_compiled_step(
             log.detail(line)
         if first and answer["compile_s"] > 0:
             clock.record(f"compile/{member.slot.component}:{member.slot.rank}", answer["compile_s"])
+    return {f"{m.slot.component}/{m.slot.rank}": float(a["compile_s"]) for m, a in answers}
 
 
 async def memory_metrics(group: ComponentGroup, cfg: GRPOConfig) -> dict[str, float]:

@@ -51,6 +51,36 @@ class RunObserver:
         pass
 
 
+LATE_COMPILE_S = 1.0
+"""Seconds in torch.compile during a step after the first from which main.log says so."""
+
+
+class StepCompileTime:
+    """compile/<component>/<rank>/seconds: what each process spent in torch.compile during
+    the step (the first step's: since the process started, the compile warm-up included). A
+    later step that compiles (a shape or a guard its graphs do not cover) says so in main.log
+    (COMPILED), since that explains a slow step."""
+
+    def __init__(self, log: RunLog) -> None:
+        self.log = log
+        self.totals: dict[str, float] = {}  # each process's seconds in torch.compile so far
+
+    def record(self, step: int, first: bool, totals: dict[str, float], result: StepResult) -> None:
+        """`totals`: each process's seconds in torch.compile so far, by '<component>/<rank>'."""
+        for who, total in sorted(totals.items()):
+            if total <= 0 and who not in self.totals:  # compiles nothing (the reward)
+                continue
+            seconds = max(0.0, total - self.totals.get(who, 0.0))
+            self.totals[who] = total
+            result.metrics[f"compile/{who}/seconds"] = seconds
+            if not first and seconds >= LATE_COMPILE_S:
+                self.log.info(
+                    f"COMPILED step {step} {who.replace('/', ':')}: {seconds:.1f} s in "
+                    "torch.compile for shapes or guards that earlier steps' graphs do not "
+                    "cover; the step's time includes it"
+                )
+
+
 class StartupRecord(RunObserver):
     """The start-up clock up to the first step: ready (before the first step), each
     component's preparation and the compile warm-up (awaited after it: they ran beside it),
@@ -69,6 +99,7 @@ class StartupRecord(RunObserver):
         self.group, self.cfg, self.clock, self.log, self.warm_up = group, cfg, clock, log, warm_up
         self.head = head
         self.first: int | None = None
+        self.compile_time = StepCompileTime(log)
 
     async def step_begins(self, step: int) -> None:
         if self.first is None:
@@ -82,7 +113,10 @@ class StartupRecord(RunObserver):
             await self.warm_up.finish(self.clock, self.log)
         cfg = self.cfg
         if cfg.compile_cache_root is not None and cfg.cluster.accelerator == "cuda":
-            await lifecycle.after_compiled_step(self.group, cfg, self.clock, self.log, first)
+            totals = await lifecycle.after_compiled_step(
+                self.group, cfg, self.clock, self.log, first
+            )
+            self.compile_time.record(step, first, totals, result)
         if first:
             self.clock.record("first_step", result.timings["time/step"])
             self.clock.since_call("to_first_step")

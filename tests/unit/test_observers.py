@@ -14,7 +14,14 @@ from support import varied_batch
 
 from rlinf_twoworker.config import GRPOConfig, load_config, to_typed
 from rlinf_twoworker.results import StepResult
-from rlinf_twoworker.run.observers import PaddingHint, StepLine, TensorBoard, step_line
+from rlinf_twoworker.run.observers import (
+    LATE_COMPILE_S,
+    PaddingHint,
+    StepCompileTime,
+    StepLine,
+    TensorBoard,
+    step_line,
+)
 from rlinf_twoworker.run.step import real_token_share
 from rlinf_twoworker.run.storage_io import StorageIO
 from rlinf_twoworker.run.tasks import background, in_daemon_thread
@@ -113,6 +120,35 @@ def test_the_padding_hint_speaks_once_when_the_forwards_compute_mostly_padding(r
     assert "runner.trim_padding_multiple=128" in log
     asyncio.run(drive(PaddingHint(io.log, config(128))))
     assert (cfg.run_dir / "log" / "main.log").read_text().count("PERF_HINT") == 1
+
+
+def test_each_steps_compile_seconds_and_a_later_step_that_compiles_is_logged(run):
+    """compile/<component>/<rank>/seconds is each process's torch.compile time during the
+    step, from the running totals its process reports after each step; a process that never
+    compiles (the reward) gets none. From step 2 on, a process that compiled for
+    LATE_COMPILE_S or more says so in main.log, once for that step."""
+    cfg, io = run
+    record = StepCompileTime(io.log)
+    steps = {
+        1: {"actor/0": 14.0, "inference/0": 3.0, "reward/0": 0.0},
+        2: {"actor/0": 14.0 + LATE_COMPILE_S / 2, "inference/0": 3.0, "reward/0": 0.0},
+        3: {"actor/0": 19.5, "inference/0": 3.0, "reward/0": 0.0},
+    }
+    seen = {}
+    for step, totals in steps.items():
+        result = _result(step, 0.5)
+        record.record(step, step == 1, totals, result)
+        seen[step] = {k: v for k, v in result.metrics.items() if k.startswith("compile/")}
+    asyncio.run(io.call(lambda: None))  # after the queued log lines
+    assert seen[1] == {"compile/actor/0/seconds": 14.0, "compile/inference/0/seconds": 3.0}
+    assert seen[2]["compile/actor/0/seconds"] == pytest.approx(LATE_COMPILE_S / 2)
+    assert seen[3] == {
+        "compile/actor/0/seconds": pytest.approx(5.5 - LATE_COMPILE_S / 2),
+        "compile/inference/0/seconds": 0.0,
+    }
+    log = (cfg.run_dir / "log" / "main.log").read_text()
+    assert log.count("COMPILED") == 1
+    assert "COMPILED step 3 actor:0: 5.0 s in torch.compile" in log
 
 
 def test_background_work_that_nobody_awaits_never_loses_its_error():
