@@ -337,8 +337,14 @@ def compile_layers(model: Any, on: bool, many_shapes: bool = False) -> None:
             layer.compile()
         else:
             layer._compiled_call_impl = None  # what nn.Module.compile() set
-    if on and many_shapes and os.environ.get("RLINF_MARK_DYNAMIC", "1") != "0":
+    if on and many_shapes and marks_on():
         mark_dynamic_layers(model)
+
+
+def marks_on() -> bool:
+    """Whether the dynamic marks are on: RLINF_MARK_DYNAMIC=0 turns them off, for the
+    benchmarks' A/B against torch.compile's own dynamic shapes."""
+    return os.environ.get("RLINF_MARK_DYNAMIC", "1") != "0"
 
 
 def mark_dynamic_layers(model: Any) -> None:
@@ -349,25 +355,49 @@ def mark_dynamic_layers(model: Any) -> None:
     specialize, and the last dimension of a 3-D input (hidden_states' hidden size, the rotary
     tables' head_dim) never is marked, even where a batch's rows or width equal it: a
     symbolic feature size would make every norm a looped reduction. Call after
-    compile_layers(model, True)."""
+    compile_layers(model, True); layers that FSDP2 wraps also need mark_dynamic_after_fsdp."""
     for layer in model.model.layers:
         compiled = layer._compiled_call_impl
         if compiled is None:
             continue
 
         def call(*args: Any, _compiled: Any = compiled, **kwargs: Any) -> Any:
-            hidden = args[0] if args else kwargs["hidden_states"]
-            sizes = {int(hidden.shape[0]), int(hidden.shape[1])}
-            for value in (*args, *kwargs.values()):
-                for tensor in value if isinstance(value, tuple) else (value,):
-                    if isinstance(tensor, torch.Tensor):
-                        features = tensor.dim() - 1 if tensor.dim() == 3 else None
-                        for dim, size in enumerate(tensor.shape):
-                            if size > 1 and size in sizes and dim != features:
-                                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+            _mark_rows_and_width(args, kwargs)
             return _compiled(*args, **kwargs)
 
         layer._compiled_call_impl = call
+
+
+def mark_dynamic_after_fsdp(model: Any) -> None:
+    """mark_dynamic_layers for layers that FSDP2 wraps (fully_shard, after it): FSDP2's
+    pre-forward hook passes a layer's inputs that need gradients through an autograd function
+    (its post-backward hook), so the layer's forward, which torch.compile compiles after that
+    hook, gets new hidden states without their marks, and the first compile fixes the width
+    (one more compile at the next width). A pre-forward hook after FSDP2's (which it
+    prepends) marks them again."""
+    # Run as Python, not traced: torch.compile traces the compiled layer's hooks, and marks
+    # cannot be made inside a graph (FSDP2's own hook already breaks the graph there).
+    hook = torch._dynamo.disable(_marks_hook)
+    for layer in model.model.layers:
+        if layer._compiled_call_impl is not None:
+            layer.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _marks_hook(module: Any, args: tuple, kwargs: dict) -> None:
+    _mark_rows_and_width(args, kwargs)
+
+
+def _mark_rows_and_width(args: tuple, kwargs: dict) -> None:
+    """Mark the rows and width of a decoder layer's inputs as dynamic (mark_dynamic_layers)."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    sizes = {int(hidden.shape[0]), int(hidden.shape[1])}
+    for value in (*args, *kwargs.values()):
+        for tensor in value if isinstance(value, tuple) else (value,):
+            if isinstance(tensor, torch.Tensor):
+                features = tensor.dim() - 1 if tensor.dim() == 3 else None
+                for dim, size in enumerate(tensor.shape):
+                    if size > 1 and size in sizes and dim != features:
+                        torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 T = TypeVar("T")

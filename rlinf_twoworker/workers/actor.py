@@ -34,6 +34,8 @@ from rlinf_twoworker.engines.models import (
     SequenceBatch,
     compile_layers,
     dtype_for,
+    mark_dynamic_after_fsdp,
+    marks_on,
     micro_batches,
     response_logprobs,
     run_or_eager,
@@ -161,6 +163,8 @@ def prepare_for_training(
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    if compiled and many_shapes and marks_on():
+        mark_dynamic_after_fsdp(model)
     return model
 
 

@@ -94,6 +94,49 @@ def test_compiled_layers_give_the_eager_logprobs_and_gradients(world):
         assert torch.allclose(compiled[name], grad, atol=1e-5), name
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fsdp_wrapped_marked_layers_compile_once_for_the_length_aware_cuts_widths(world, recompute):
+    """Under FSDP2 (as every actor rank of a multi-rank run), the compiled decoder layers with
+    the length-aware cut's dynamic marks compile once for micro-batches of three widths: FSDP2's
+    pre-forward hook hands the layer new hidden states (its post-backward hook's autograd
+    function), and without marks on those the first compile fixed the width and the next width
+    compiled again. The log-probs and gradients are eager's."""
+    from torch._dynamo.utils import counters
+
+    inputs, _ = world
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    batch = varied_batch((3, 5, 8, 2, 3, 3), (20, 15, 10, 5, 4, 3), 16, 24)
+    cuts = [torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([4, 5])]
+    widths = {batch.rows(c).trimmed(4)[0].input_ids.shape[1] for c in cuts}
+    assert len(widths) == 3
+    runs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = load_causal_lm(inputs.model_path, torch.float32, torch.device("cpu"))
+        model = prepare_for_training(
+            model,
+            mesh,
+            precision=None,
+            activation_checkpointing=recompute,
+            compiled=compiled,
+            many_shapes=True,
+        )
+        sums, frames = [], []
+        for cut in cuts:
+            part = batch.rows(cut)
+            out = response_logprobs(model, part, trim_multiple=4)
+            (out * part.response_mask).sum().backward()
+            sums.append(float((out.detach() * part.response_mask).sum()))
+            frames.append(counters["frames"]["total"])
+        runs[compiled] = sums, {n: full(p.grad).clone() for n, p in model.named_parameters()}
+        if compiled:  # frames compiled for the first width only
+            assert frames[0] > 0 and frames == [frames[0]] * len(cuts)
+    assert runs[True][0] == pytest.approx(runs[False][0], abs=1e-4)
+    for name, grad in runs[False][1].items():
+        assert torch.allclose(runs[True][1][name], grad, atol=1e-5), name
+
+
 def _shard(cfg) -> ActorShard:
     """A minibatch of 4 answers of different lengths with the weights the controller gives it
     (RLinf's token-mean per 1-row micro-batch), as one rank's shard."""
