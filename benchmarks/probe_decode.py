@@ -2,10 +2,14 @@
 
 python benchmarks/probe_decode.py [--batch 16] [--prompt 256] [--new 768]
 python benchmarks/probe_decode.py --batch 256 --prompt 1024 --steps 128 --diff
+python benchmarks/probe_decode.py --batch 256 --prompt 256 --steps 1792 --diff --group 8
 
 --diff: decode steps alone. Two runs from the same prompts, of 1 and of 1 + --steps new tokens,
 are timed and profiled; the difference per kernel name, divided by --steps, is what one decode
 step at about --prompt columns costs (the prefill and the first token cancel out).
+
+--group G: each prompt repeated for G slots in a row, as a GRPO group's answers (the sampler
+prefills it once and the group's slots read its columns from one slot); 1: distinct prompts.
 """
 
 from __future__ import annotations
@@ -45,11 +49,15 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=768)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--diff", action="store_true")
+    parser.add_argument("--group", type=int, default=1)
     parser.add_argument("--root", default="/tmp/rlinf-bench")
     args = parser.parse_args()
     model_dir = make_model_dir(Path(args.root))
     model = load_causal_lm(model_dir, torch.bfloat16, torch.device("cuda")).eval()
-    ids = torch.randint(100, 150000, (args.batch, args.prompt), device="cuda")
+    if args.batch % args.group:
+        parser.error(f"--batch {args.batch} is not a whole number of --group {args.group}")
+    ids = torch.randint(100, 150000, (args.batch // args.group, args.prompt), device="cuda")
+    ids = ids.repeat_interleave(args.group, 0)
     mask = torch.ones_like(ids)
     new = args.steps + 1 if args.diff else args.new
     sampler = StaticSampler(model, args.batch, args.prompt + new)
@@ -87,7 +95,7 @@ def main() -> None:
     }
     kernels = sum(v for v in diff.values() if v > 0) / 1e3
     print(
-        f"decode step at batch {args.batch}, about {args.prompt} columns: {step_ms:.3f} ms wall, "
+        f"decode step at batch {args.batch} (groups of {args.group}), from {args.prompt} columns: {step_ms:.3f} ms wall, "
         f"{kernels:.3f} ms of kernels ({args.batch / step_ms * 1e3:,.0f} tokens/s)"
     )
     for name, us in sorted(diff.items(), key=lambda kv: -kv[1])[:30]:
