@@ -189,7 +189,7 @@ class SequenceBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def model_attention_mask(self) -> torch.Tensor:
+    def model_attention_mask(self, compiled: bool = False) -> torch.Tensor:
         """The attention mask the log-prob and update forwards give the model. Where a row
         begins with padding, its padding positions attend to no key (every key before them
         is padding too): fully masked query rows, whose attention gradient PyTorch's
@@ -198,10 +198,14 @@ class SequenceBatch:
         multiples). Such a batch gets a 4-D boolean mask [B, 1, W, W], transformers' own
         (causal, over real keys) with each position also seeing itself: the same attention
         for every real position, and no fully masked row. A batch without left padding
-        keeps the 2-D mask (transformers then picks its kernels as before). The caller gives
-        a model that windows its attention the 2-D mask instead (windows_attention)."""
+        keeps the 2-D mask (transformers then picks its kernels as before), except, for
+        `compiled` decoder layers, a batch with no padding at all: from its 2-D mask
+        transformers passes the layers no mask (plain causal attention), a call torch.compile
+        compiles again (the warm-up's and most batches' masks are tensors), so it gets the
+        4-D mask, the same causal attention. The caller gives a model that windows its
+        attention the 2-D mask instead (windows_attention)."""
         mask = self.attention_mask
-        if bool(mask[:, 0].all()):
+        if bool(mask[:, 0].all()) and not (compiled and bool(mask.all())):
             return mask
         return causal_self_mask(mask)
 
@@ -339,6 +343,11 @@ def compile_layers(model: Any, on: bool, many_shapes: bool = False) -> None:
             layer._compiled_call_impl = None  # what nn.Module.compile() set
     if on and many_shapes and marks_on():
         mark_dynamic_layers(model)
+
+
+def layers_compiled(model: Any) -> bool:
+    """Whether compile_layers(model, True) compiled the decoder layers."""
+    return any(layer._compiled_call_impl is not None for layer in model.model.layers)
 
 
 def marks_on() -> bool:
@@ -486,7 +495,10 @@ def _logprobs(
     p = batch.prompt_length
     # A model that windows its attention gets the 2-D mask: transformers builds its windowed
     # masks from it, and a 4-D one would replace them.
-    mask = batch.attention_mask if windows_attention(model) else batch.model_attention_mask()
+    if windows_attention(model):
+        mask = batch.attention_mask
+    else:
+        mask = batch.model_attention_mask(compiled=layers_compiled(model))
     # Only the positions that predict an answer token (the last prompt position's and the
     # answer's but its last) go through the output head: the prompt's other positions would
     # make logits (a vocabulary each) that nothing reads.

@@ -384,6 +384,53 @@ def test_a_step_with_one_row_over_compiles_nothing_the_warm_up_did_not(tmp_path)
     assert graphs == [2, 2]  # the layer and the log-softmax kernel, both in the warm-up
 
 
+def test_a_micro_batch_without_padding_runs_through_the_warm_ups_graphs(tmp_path):
+    """A micro-batch with no padding at all (prompts as long as data.max_prompt_length,
+    answers at the limit: what random weights make) gets a mask tensor like every other, not
+    the mask transformers leaves out for such a batch, which made torch.compile compile the
+    decoder layer again in the middle of a step; its log-probs equal the uncompiled
+    model's."""
+    from torch._dynamo.utils import counters
+
+    from rlinf_twoworker.engines.models import compile_layers
+    from rlinf_twoworker.run.warmup import full_length_batch
+
+    class Shape:  # what full_length_batch reads of a config
+        class data:
+            max_prompt_length = 8
+
+        max_new_tokens = 16
+
+    rule = MicroBatchRule(least=1, tokens=48)
+    warm = full_length_batch(Shape, 6)
+    warm = SequenceBatch(
+        torch.randint(3, 60, warm.input_ids.shape), warm.attention_mask, warm.response_mask, 8
+    )
+    step = varied_batch((8,) * 6, (16, 9, 16, 12, 16, 16), 8, 16)
+    whole = [
+        bool(step.rows(c).trimmed(8)[0].attention_mask.all()) for c in micro_batches(step, rule, 8)
+    ]
+    assert True in whole and False in whole  # one micro-batch without padding, one with
+    model = load_causal_lm(make_inputs(tmp_path).model_path, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        eager = response_logprobs(model, step, trim_multiple=8)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_layers(model, True, many_shapes=True)
+    graphs, compiled = [], []
+    for batch in (warm, step):
+        for cut in micro_batches(batch, rule, 8):
+            part = batch.rows(cut)
+            out = response_logprobs(model, part, trim_multiple=8, fused=True)
+            (out * part.response_mask).sum().backward()
+            compiled.append((cut, out.detach()))
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [2, 2]  # the layer and the log-softmax kernel, both in the warm-up
+    for cut, out in compiled[-len(whole) :]:
+        mask = step.response_mask[cut].bool()
+        torch.testing.assert_close(out[mask], eager[cut][mask], rtol=1e-4, atol=1e-4)
+
+
 def test_marks_leave_the_feature_sizes_static_when_a_batch_size_equals_them(model):
     """mark_dynamic_layers marks rows and width but never a 3-D input's last dimension: with a
     width equal to the hidden size (64 in the tiny model), hidden_states' width is marked and
