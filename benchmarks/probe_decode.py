@@ -2,11 +2,14 @@
 
 python benchmarks/probe_decode.py [--batch 16] [--prompt 256] [--new 768]
 python benchmarks/probe_decode.py --batch 256 --prompt 1024 --steps 128 --diff
-python benchmarks/probe_decode.py --batch 256 --prompt 256 --steps 1792 --diff --group 8
+python benchmarks/probe_decode.py --batch 256 --prompt 256 --start 832 --steps 128 --diff --group 8
 
---diff: decode steps alone. Two runs from the same prompts, of 1 and of 1 + --steps new tokens,
-are timed and profiled; the difference per kernel name, divided by --steps, is what one decode
-step at about --prompt columns costs (the prefill and the first token cancel out).
+--diff: decode steps alone. Two runs from the same prompts, of 1 + --start and of 1 + --start +
+--steps new tokens, are timed and profiled; the difference per kernel name, divided by --steps,
+is what one decode step at about --prompt + --start columns costs (the prefill, the first token
+and the first --start steps cancel out). Attention's cost grows with the columns, so steps
+around the middle of an answer (--start 832 --steps 128 after a 256-token prompt: columns
+1088-1216) cost what the average step of a 1792-token answer does.
 
 --group G: each prompt repeated for G slots in a row, as a GRPO group's answers (the sampler
 prefills it once and the group's slots read its columns from one slot); 1: distinct prompts.
@@ -48,6 +51,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--new", type=int, default=768)
     parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--diff", action="store_true")
     parser.add_argument("--group", type=int, default=1)
     parser.add_argument("--root", default="/tmp/rlinf-bench")
@@ -59,7 +63,7 @@ def main() -> None:
     ids = torch.randint(100, 150000, (args.batch // args.group, args.prompt), device="cuda")
     ids = ids.repeat_interleave(args.group, 0)
     mask = torch.ones_like(ids)
-    new = args.steps + 1 if args.diff else args.new
+    new = args.start + args.steps + 1 if args.diff else args.new
     sampler = StaticSampler(model, args.batch, args.prompt + new)
     settings = SamplingSettings()
 
@@ -82,11 +86,11 @@ def main() -> None:
             )
         )
         return
-    short = min(run(1) for _ in range(3))
+    short = min(run(args.start + 1) for _ in range(3))
     long = min(run(new) for _ in range(3))
     step_ms = (long - short) / args.steps * 1e3
     profiles = []
-    for tokens in (1, new):
+    for tokens in (args.start + 1, new):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             run(tokens)
         profiles.append(_kernel_us(prof))
@@ -95,7 +99,8 @@ def main() -> None:
     }
     kernels = sum(v for v in diff.values() if v > 0) / 1e3
     print(
-        f"decode step at batch {args.batch} (groups of {args.group}), from {args.prompt} columns: {step_ms:.3f} ms wall, "
+        f"decode step at batch {args.batch} (groups of {args.group}), from "
+        f"{args.prompt + args.start} columns: {step_ms:.3f} ms wall, "
         f"{kernels:.3f} ms of kernels ({args.batch / step_ms * 1e3:,.0f} tokens/s)"
     )
     for name, us in sorted(diff.items(), key=lambda kv: -kv[1])[:30]:
