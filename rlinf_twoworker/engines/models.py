@@ -332,13 +332,31 @@ def compiler_failed(exc: BaseException) -> bool:
     )
 
 
+def many_shapes_options() -> dict[str, Any]:
+    """Inductor options for layers compiled for many shapes: no fusion decision that depends
+    on a dynamic size. Inductor's mix-order reduction (on GPUs: an RMSNorm backward's two
+    reductions in one kernel) fuses only at 4096 or more rows (tokens) and 5 Mi elements,
+    checks that on a symbolic size add as guards, so a graph compiled on a micro-batch of one
+    side compiled again on the first micro-batch of the other (seen on an H100: the tutorial's
+    warm-up at >= 4096 tokens, then step 1's update at fewer, 6 s of compiling). Its
+    non-strict mode skips these size checks (PyTorch's documented remedy for such
+    recompiles); a PyTorch without the option gets none."""
+    import torch._inductor.config as inductor
+
+    if hasattr(inductor.triton, "mix_order_reduction_non_strict_mode"):
+        return {"triton.mix_order_reduction_non_strict_mode": True}
+    return {}
+
+
 def compile_layers(model: Any, on: bool, many_shapes: bool = False) -> None:
     """Compile each decoder layer's forward in place (nn.Module.compile: parameter names,
     state dicts and FSDP hooks are unchanged), or with on=False undo it. `many_shapes`: its
-    rows and width are dynamic from the first compile (mark_dynamic_layers)."""
+    rows and width are dynamic from the first compile (mark_dynamic_layers), with no fusion
+    decision that depends on them (many_shapes_options)."""
+    options = many_shapes_options() if many_shapes else {}
     for layer in model.model.layers:
         if on:
-            layer.compile()
+            layer.compile(**({"options": options} if options else {}))
         else:
             layer._compiled_call_impl = None  # what nn.Module.compile() set
     if on and many_shapes and marks_on():

@@ -168,6 +168,50 @@ def test_the_tutorials_trimmed_rows_give_finite_gradients_on_the_gpu():
         assert param.grad is not None and bool(param.grad.isfinite().all()), name
 
 
+def test_layers_compiled_for_many_shapes_skip_inductors_size_dependent_fusion_checks():
+    """This PyTorch has the option compile_layers(many_shapes=True) passes (the GPU test below
+    shows what it prevents): Inductor's mix-order reduction in non-strict mode."""
+    from rlinf_twoworker.engines.models import many_shapes_options
+
+    assert many_shapes_options() == {"triton.mix_order_reduction_non_strict_mode": True}
+
+
+@pytest.mark.gpu
+def test_micro_batches_on_both_sides_of_4096_tokens_compile_the_layer_once_on_the_gpu():
+    """Layers compiled for the length-aware cut's many shapes, on the GPU (where Inductor's
+    mix-order reduction fuses an RMSNorm backward's reductions, its checks at 4096 tokens):
+    a forward and backward at 5,120 tokens, then at 1,280 and 10,240, run through one layer
+    graph (the warm-up's shape, then a step's smaller and larger micro-batches)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from torch._dynamo.utils import counters
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlinf_twoworker.engines.models import compile_layers
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=256,
+        hidden_size=1536,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+    model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_layers(model, True, many_shapes=True)
+    graphs = []
+    for rows in (8, 2, 16):
+        batch = varied_batch((40,) * rows, (576,) * rows, 64, 576).to(torch.device("cuda"))
+        out = response_logprobs(model, batch, trim_multiple=64, fused=True)
+        (out * batch.response_mask).sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [graphs[0]] * 3, graphs
+
+
 def test_a_windowed_model_keeps_transformers_masks():
     """A model whose attention is windowed (Mistral's sliding_window) gets the 2-D padding
     mask, from which transformers makes its windowed masks: its log-probs are those of a
