@@ -11,11 +11,6 @@ and the first --start steps cancel out). Attention's cost grows with the columns
 around the middle of an answer (--start 832 --steps 128 after a 256-token prompt: columns
 1088-1216) cost what the average step of a 1792-token answer does.
 
---variants A,B,...: with --diff, the same measurement for each in turn in this process (one model,
-one compile of what they share): default; fold (RLINF_DECODE_FOLD=1: the split-KV kernel's
-prompt and own columns in one loop); gemm (RLINF_DECODE_GEMM=autotune: the projections
-autotuned by Inductor); fold+gemm.
-
 --group G: each prompt repeated for G slots in a row, as a GRPO group's answers (the sampler
 prefills it once and the group's slots read its columns from one slot); 1: distinct prompts.
 """
@@ -23,11 +18,9 @@ prefills it once and the group's slots read its columns from one slot); 1: disti
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,7 +54,6 @@ def main() -> None:
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--diff", action="store_true")
     parser.add_argument("--group", type=int, default=1)
-    parser.add_argument("--variants", default="default")
     parser.add_argument("--root", default="/tmp/rlinf-bench")
     args = parser.parse_args()
     model_dir = make_model_dir(Path(args.root))
@@ -94,45 +86,25 @@ def main() -> None:
             )
         )
         return
-    for variant in args.variants.split(","):
-        os.environ["RLINF_DECODE_FOLD"] = "1" if "fold" in variant else "0"
-        os.environ["RLINF_DECODE_GEMM"] = "autotune" if "gemm" in variant else ""
-        sampler._set_kernels(True)  # the projections as this variant picks them
-        sampler.drop_graphs()  # captured again with this variant's kernels
-        run(new)
-        _diff(variant, run, args.start, args.steps, args.batch, args.group, args.prompt)
-
-
-def _diff(
-    variant: str,
-    run: Callable[[int], float],
-    start: int,
-    steps: int,
-    batch: int,
-    group: int,
-    prompt: int,
-) -> None:
-    """Print the decode step's wall time and kernel table from two runs of start + 1 and
-    start + 1 + steps new tokens."""
-    new = start + steps + 1
-    short = min(run(start + 1) for _ in range(3))
+    short = min(run(args.start + 1) for _ in range(3))
     long = min(run(new) for _ in range(3))
-    step_ms = (long - short) / steps * 1e3
+    step_ms = (long - short) / args.steps * 1e3
     profiles = []
-    for tokens in (start + 1, new):
+    for tokens in (args.start + 1, new):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             run(tokens)
         profiles.append(_kernel_us(prof))
-    diff = {k: (profiles[1].get(k, 0.0) - profiles[0].get(k, 0.0)) / steps for k in profiles[1]}
+    diff = {
+        k: (profiles[1].get(k, 0.0) - profiles[0].get(k, 0.0)) / args.steps for k in profiles[1]
+    }
     kernels = sum(v for v in diff.values() if v > 0) / 1e3
     print(
-        f"[{variant}] decode step at batch {batch} (groups of {group}), from "
-        f"{prompt + start} columns: {step_ms:.3f} ms wall, "
-        f"{kernels:.3f} ms of kernels ({batch / step_ms * 1e3:,.0f} tokens/s)",
-        flush=True,
+        f"decode step at batch {args.batch} (groups of {args.group}), from "
+        f"{args.prompt + args.start} columns: {step_ms:.3f} ms wall, "
+        f"{kernels:.3f} ms of kernels ({args.batch / step_ms * 1e3:,.0f} tokens/s)"
     )
-    for name, us in sorted(diff.items(), key=lambda kv: -kv[1])[:25]:
-        print(f"{us:9.1f} us  {100 * us / 1e3 / step_ms:5.1f}%  {name[:110]}", flush=True)
+    for name, us in sorted(diff.items(), key=lambda kv: -kv[1])[:30]:
+        print(f"{us:9.1f} us  {100 * us / 1e3 / step_ms:5.1f}%  {name[:110]}")
 
 
 if __name__ == "__main__":

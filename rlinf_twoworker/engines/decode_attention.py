@@ -106,13 +106,6 @@ def kernel_refusal(device: torch.device, q_heads: int, kv_heads: int, head_dim: 
     return None
 
 
-def folds_columns() -> bool:
-    """Whether a program reads its shared and own columns in one loop (the kernel's FOLDED)
-    rather than one loop each: RLINF_DECODE_FOLD=1, for the benchmarks' A/B (off until it
-    measures faster on a GPU)."""
-    return os.environ.get("RLINF_DECODE_FOLD", "0") == "1"
-
-
 def _sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; 4 for the interpreter's CPU (a few ranges,
     so its runs take the reduction's path too)."""
@@ -218,7 +211,6 @@ def split_kv(
         D=dim,
         # float32 caches (tests' models) multiply in full float32, not TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FOLDED=folds_columns(),
     )
     out = reduce(partial[:, :, :, :group], lse[:, :, :, :group])
     return out.to(q.dtype).reshape(b, 1, heads * dim)

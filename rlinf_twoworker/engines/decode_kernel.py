@@ -52,83 +52,62 @@ def attend(
     return m, total, acc
 
 
+# Tuned once per head shape and range count, on the first call (a sampler's warm-up step,
+# outside any graph capture): the tuner's trial runs write only the partial outputs.
+@triton.autotune(configs=CONFIGS, key=["KV", "SPLITS", "GROUP", "D"])
 @triton.jit
-def attend_folded(
-    q,
-    m,
-    total,
-    acc,
-    k_head,
-    v_head,
-    own,
-    source,
-    shared,
-    valid_row,
-    begin,
-    stop,
-    stride_kb,
-    stride_kn,
-    stride_vb,
-    stride_vn,
-    D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    scale,
-):
-    """`attend` over columns [begin, stop) in one loop, each column read from slot `source`
-    below `shared` and from slot `own` from there (k_head, v_head: the KV head's base in slot
-    0): one software pipeline over the range instead of one per part."""
-    d = tl.arange(0, D)
-    n = tl.arange(0, BLOCK_N)
-    for col in range(begin, stop, BLOCK_N):
-        cols = col + n
-        inside = cols < stop
-        slot = tl.where(cols < shared, source, own)
-        ok = tl.load(valid_row + cols, mask=inside, other=0) != 0
-        k_rows = k_head + slot[:, None] * stride_kb + cols[:, None] * stride_kn
-        k = tl.load(k_rows + d[None, :], mask=inside[:, None])
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        total = total * alpha + tl.sum(p, 1)
-        v_rows = v_head + slot[:, None] * stride_vb + cols[:, None] * stride_vn
-        v = tl.load(v_rows + d[None, :], mask=inside[:, None])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
-    return m, total, acc
-
-
-@triton.jit
-def attend_parts(
-    q,
-    m,
-    total,
-    acc,
+def split_kv_partial(
+    Q,
     K,
     V,
-    b,
-    source,
-    shared,
-    h,
-    valid_row,
-    start,
-    stop,
+    VALID,
+    END,
+    SOURCE,
+    SHARED,
+    OUT,
+    LSE,
+    stride_qb,
+    stride_qh,
     stride_kb,
     stride_kh,
     stride_kn,
     stride_vb,
     stride_vh,
     stride_vn,
+    stride_valid,
+    scale,
+    chunk,
+    KV: tl.constexpr,
+    SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
     D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
-    scale,
 ):
-    """`attend` over [start, min(stop, shared)) of slot `source`, then over
-    [max(start, shared), stop) of slot `b`: one loop each."""
+    slot_head = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (slot_head // KV).to(tl.int64)  # int64 offsets: a layer's cache may pass 2**31
+    h = slot_head % KV
+    end = tl.load(END + b)
+    source = tl.load(SOURCE + b).to(tl.int64)
+    shared = tl.load(SHARED)
+    start = split * chunk
+    stop = tl.minimum(start + chunk, end)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    q = tl.load(
+        Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
+        mask=g[:, None] < GROUP,
+        other=0.0,
+    )
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    valid_row = VALID + b * stride_valid
+    # The shared prompt columns from the slot that holds them for the whole group (its
+    # slots, adjacent programs, then read them once from memory and again from cache),
+    # the rest from the slot's own cache.
     m, total, acc = attend(
         q,
         m,
@@ -163,115 +142,6 @@ def attend_parts(
         PRECISION,
         scale,
     )
-    return m, total, acc
-
-
-# Tuned once per head shape and range count, on the first call (a sampler's warm-up step,
-# outside any graph capture): the tuner's trial runs write only the partial outputs.
-@triton.autotune(configs=CONFIGS, key=["KV", "SPLITS", "GROUP", "D", "FOLDED"])
-@triton.jit
-def split_kv_partial(
-    Q,
-    K,
-    V,
-    VALID,
-    END,
-    SOURCE,
-    SHARED,
-    OUT,
-    LSE,
-    stride_qb,
-    stride_qh,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_valid,
-    scale,
-    chunk,
-    KV: tl.constexpr,
-    SPLITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    FOLDED: tl.constexpr,
-):
-    slot_head = tl.program_id(0)
-    split = tl.program_id(1)
-    b = (slot_head // KV).to(tl.int64)  # int64 offsets: a layer's cache may pass 2**31
-    h = slot_head % KV
-    end = tl.load(END + b)
-    source = tl.load(SOURCE + b).to(tl.int64)
-    shared = tl.load(SHARED)
-    start = split * chunk
-    stop = tl.minimum(start + chunk, end)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D)
-    q = tl.load(
-        Q + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :],
-        mask=g[:, None] < GROUP,
-        other=0.0,
-    )
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    total = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    valid_row = VALID + b * stride_valid
-    # The shared prompt columns from the slot that holds them for the whole group (its
-    # slots, adjacent programs, then read them once from memory and again from cache),
-    # the rest from the slot's own cache: in one loop (FOLDED) or one loop each.
-    if FOLDED:
-        m, total, acc = attend_folded(
-            q,
-            m,
-            total,
-            acc,
-            K + h * stride_kh,
-            V + h * stride_vh,
-            b,
-            source,
-            shared,
-            valid_row,
-            start,
-            stop,
-            stride_kb,
-            stride_kn,
-            stride_vb,
-            stride_vn,
-            D,
-            BLOCK_N,
-            PRECISION,
-            scale,
-        )
-    else:
-        m, total, acc = attend_parts(
-            q,
-            m,
-            total,
-            acc,
-            K,
-            V,
-            b,
-            source,
-            shared,
-            h,
-            valid_row,
-            start,
-            stop,
-            stride_kb,
-            stride_kh,
-            stride_kn,
-            stride_vb,
-            stride_vh,
-            stride_vn,
-            D,
-            BLOCK_N,
-            PRECISION,
-            scale,
-        )
     # A range with no valid column (past the slot's end, or all padding) weighs nothing.
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     lse = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))

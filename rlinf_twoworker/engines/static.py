@@ -319,7 +319,7 @@ class StaticSampler:
         self, kern: Kernels, index: int, h: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated q [B, H, T, D], k and v [B, KV, T, D] of hidden states h [B, T, hidden]."""
-        qkv, dims, norms = self._projection(kern, index, h)
+        qkv, dims, norms = self._projection(index, h)
         if norms is None:
             return kern.split_rope(qkv, *rotary, *dims)
         return kern.split_norm_rope(qkv, *rotary, *dims, *norms)  # Qwen3
@@ -329,17 +329,17 @@ class StaticSampler:
     ) -> torch.Tensor:
         """A decode step's rotated q [B, H, 1, D]; its k and v written to each slot's cache
         column (self.col) in the same kernel."""
-        qkv, dims, norms = self._projection(kern, index, h)
+        qkv, dims, norms = self._projection(index, h)
         cache = (self.k[index], self.v[index], self.rows, self.col.view(-1))
         return kern.rope_store(*cache, qkv, *rotary, *dims, *(norms or ()))  # norms: Qwen3
 
     def _projection(
-        self, kern: Kernels, index: int, h: torch.Tensor
+        self, index: int, h: torch.Tensor
     ) -> tuple[torch.Tensor, tuple[int, int, int], tuple[Any, ...] | None]:
         """The fused q/k/v projection of h, the head counts, and Qwen3's q/k norms (None:
         the family has none)."""
         fused = self.fused[index]
-        qkv = kern.linear(h, fused.qkv_weight, fused.qkv_bias)
+        qkv = F.linear(h, fused.qkv_weight, fused.qkv_bias)
         attn = self.layers[index].self_attn
         dims = (self.heads, self.kv_heads, self.head_dim)
         if getattr(attn, "q_norm", None) is None:
@@ -377,15 +377,13 @@ class StaticSampler:
                 out = split_kv(q, keys, values, *args, self.source, self.shared)
             else:
                 out = grouped_matmul(q, keys, values, mask.bias, self.scale, kern.softmax)
-        o_proj = self.layers[index].self_attn.o_proj
-        return kern.linear(out, o_proj.weight, o_proj.bias)
+        return self.layers[index].self_attn.o_proj(out)
 
     def _mlp(self, kern: Kernels, index: int, h: torch.Tensor) -> torch.Tensor:
         mlp, gate_up = self.layers[index].mlp, self.fused[index].gate_up_weight
         if gate_up is None:
             return mlp(h)
-        down = mlp.down_proj
-        return kern.linear(kern.swiglu(kern.linear(h, gate_up, None)), down.weight, down.bias)
+        return mlp.down_proj(kern.swiglu(F.linear(h, gate_up)))
 
     def _forward(
         self, ids: torch.Tensor, pos: torch.Tensor, mask: Any, slots: torch.Tensor | None
@@ -404,8 +402,7 @@ class StaticSampler:
             delta = self._mlp(kern, index, h)
         last = None if delta is None else delta[:, -1]
         _, h = self._residual_norm(kern, x[:, -1], last, self.model.model.norm)
-        head = self.model.lm_head
-        return kern.linear(h, head.weight, head.bias)
+        return self.model.lm_head(h)
 
     def generate(
         self,

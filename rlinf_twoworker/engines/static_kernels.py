@@ -5,7 +5,6 @@ penalty and the choice of the next token. engines/static.py runs them in its for
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -192,22 +191,8 @@ def pick_tokens(
     return race(logits, noise, temperature)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A projection (nn.Linear's forward)."""
-    return F.linear(x, weight, bias)
-
-
-def autotunes_projections() -> bool:
-    """Whether a compiled decode step's projections go through Inductor's GEMM autotuning
-    (mode max-autotune-no-cudagraphs: cuBLAS against Triton's templates at the step's fixed
-    shapes) instead of cuBLAS's own choice: RLINF_DECODE_GEMM=autotune, for the benchmarks'
-    A/B (off until it measures faster on a GPU)."""
-    return os.environ.get("RLINF_DECODE_GEMM") == "autotune"
-
-
 class Kernels(NamedTuple):
-    """The pieces of a forward pass, eager (EAGER) or compiled: the elementwise ones and the
-    projections."""
+    """The elementwise pieces of a forward pass, eager (EAGER) or compiled."""
 
     norm: Callable
     add_norm: Callable
@@ -217,7 +202,6 @@ class Kernels(NamedTuple):
     softmax: Callable
     swiglu: Callable
     race: Callable
-    linear: Callable
 
 
 EAGER = Kernels(
@@ -229,21 +213,10 @@ EAGER = Kernels(
     masked_softmax,
     swiglu,
     exponential_race,
-    linear,
 )
 
 
 def compiled_kernels(backend: str | Callable) -> Kernels:
-    """EAGER's elementwise functions through torch.compile with fixed shapes (a decode step's
-    never change), but the softmax, whose width is the read width of the step (one kernel for
-    all widths); the projections as cuBLAS picks them, or autotuned (autotunes_projections)."""
-    compiled = {
-        name: torch.compile(k, dynamic=k is masked_softmax, backend=backend)
-        for name, k in EAGER._asdict().items()
-        if name != "linear"
-    }
-    kernels = Kernels(**compiled, linear=linear)
-    if backend == "inductor" and autotunes_projections():
-        tuned = torch.compile(linear, dynamic=False, mode="max-autotune-no-cudagraphs")
-        kernels = kernels._replace(linear=tuned)
-    return kernels
+    """EAGER's functions through torch.compile with fixed shapes (a decode step's never change),
+    but the softmax, whose width is the read width of the step (one kernel for all widths)."""
+    return Kernels(*(torch.compile(k, dynamic=k is masked_softmax, backend=backend) for k in EAGER))
