@@ -135,15 +135,9 @@ def test_no_position_attends_to_nothing_so_left_padding_makes_no_nan(tmp_path):
     assert full.model_attention_mask() is full.attention_mask
 
 
-@pytest.mark.gpu
-def test_the_tutorials_trimmed_rows_give_finite_gradients_on_the_gpu():
-    """The layout whose update made every gradient NaN on an H100 (the tutorial's rows trimmed
-    to 64 columns: 54 columns of padding, a 10-token prompt, 768 answer tokens), through two
-    decoder layers with the 1.5B shape's attention (12 heads, 2 KV heads, head_dim 128) in
-    bf16 on the GPU's SDPA kernels: with the forwards' mask the log-probs and every gradient
-    are finite (zero loss weights: the gradient is exactly zero)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+def _two_layers_of_the_1_5b_attention_on_the_gpu():
+    """Two decoder layers with the 1.5B shape's hidden size and attention (12 heads, 2 KV
+    heads, head_dim 128), a small MLP and vocabulary, in bf16 on the GPU."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -156,7 +150,19 @@ def test_the_tutorials_trimmed_rows_give_finite_gradients_on_the_gpu():
         num_key_value_heads=2,
         attn_implementation="sdpa",
     )
-    model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
+    return Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_the_tutorials_trimmed_rows_give_finite_gradients_on_the_gpu():
+    """The layout whose update made every gradient NaN on an H100 (the tutorial's rows trimmed
+    to 64 columns: 54 columns of padding, a 10-token prompt, 768 answer tokens), through two
+    decoder layers with the 1.5B shape's attention (12 heads, 2 KV heads, head_dim 128) in
+    bf16 on the GPU's SDPA kernels: with the forwards' mask the log-probs and every gradient
+    are finite (zero loss weights: the gradient is exactly zero)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = _two_layers_of_the_1_5b_attention_on_the_gpu()
     rows, pad, real, answer = 4, 54, 10, 768
     mask = torch.cat([torch.zeros(rows, pad), torch.ones(rows, real + answer)], 1).long()
     ids = torch.randint(3, 256, mask.shape) * mask
@@ -185,21 +191,10 @@ def test_micro_batches_on_both_sides_of_4096_tokens_compile_the_layer_once_on_th
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from torch._dynamo.utils import counters
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from rlinf_twoworker.engines.models import compile_layers
 
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=256,
-        hidden_size=1536,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
-    model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
+    model = _two_layers_of_the_1_5b_attention_on_the_gpu()
     torch._dynamo.reset()
     counters.clear()
     compile_layers(model, True, many_shapes=True)
