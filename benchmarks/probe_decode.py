@@ -11,6 +11,10 @@ and the first --start steps cancel out). Attention's cost grows with the columns
 around the middle of an answer (--start 832 --steps 128 after a 256-token prompt: columns
 1088-1216) cost what the average step of a 1792-token answer does.
 
+--splits N,M,...: with --diff, first the wall time of a decode step with the split-KV kernel's
+column ranges per (slot, KV head) set to each (the sampler's own pick, splits_for, is printed),
+its graphs captured again for each; then the profile at the sampler's own pick.
+
 --group G: each prompt repeated for G slots in a row, as a GRPO group's answers (the sampler
 prefills it once and the group's slots read its columns from one slot); 1: distinct prompts.
 """
@@ -54,6 +58,7 @@ def main() -> None:
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--diff", action="store_true")
     parser.add_argument("--group", type=int, default=1)
+    parser.add_argument("--splits", default="")
     parser.add_argument("--root", default="/tmp/rlinf-bench")
     args = parser.parse_args()
     model_dir = make_model_dir(Path(args.root))
@@ -86,9 +91,28 @@ def main() -> None:
             )
         )
         return
-    short = min(run(args.start + 1) for _ in range(3))
-    long = min(run(new) for _ in range(3))
-    step_ms = (long - short) / args.steps * 1e3
+
+    def step_ms() -> float:
+        short = min(run(args.start + 1) for _ in range(3))
+        long = min(run(new) for _ in range(3))
+        return (long - short) / args.steps * 1e3
+
+    own = sampler.splits
+    for splits in [int(n) for n in args.splits.split(",") if n]:
+        sampler.splits = splits
+        sampler.drop_graphs()  # captured again with this many ranges
+        run(new)  # the kernel tunes for this range count outside the capture
+        ms = step_ms()
+        print(
+            f"splits {splits} (the sampler picks {own}): {ms:.3f} ms a step "
+            f"({args.batch / ms * 1e3:,.0f} tokens/s)",
+            flush=True,
+        )
+    if sampler.splits != own:
+        sampler.splits = own
+        sampler.drop_graphs()
+        run(new)
+    ms = step_ms()
     profiles = []
     for tokens in (args.start + 1, new):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -100,11 +124,11 @@ def main() -> None:
     kernels = sum(v for v in diff.values() if v > 0) / 1e3
     print(
         f"decode step at batch {args.batch} (groups of {args.group}), from "
-        f"{args.prompt + args.start} columns: {step_ms:.3f} ms wall, "
-        f"{kernels:.3f} ms of kernels ({args.batch / step_ms * 1e3:,.0f} tokens/s)"
+        f"{args.prompt + args.start} columns: {ms:.3f} ms wall, "
+        f"{kernels:.3f} ms of kernels ({args.batch / ms * 1e3:,.0f} tokens/s)"
     )
     for name, us in sorted(diff.items(), key=lambda kv: -kv[1])[:30]:
-        print(f"{us:9.1f} us  {100 * us / 1e3 / step_ms:5.1f}%  {name[:110]}")
+        print(f"{us:9.1f} us  {100 * us / 1e3 / ms:5.1f}%  {name[:110]}")
 
 
 if __name__ == "__main__":
