@@ -500,6 +500,56 @@ def response_logprobs(
     return _logprobs(model, batch, fused, temperature, with_entropy, many_shapes=False)
 
 
+def packs_left() -> bool:
+    """Whether the log-prob and update forwards move each row's padding after its real tokens
+    and attend causally with no mask (`_packed_logprobs`): RLINF_PACK_LEFT=1, for the
+    benchmarks' A/B (off until it measures faster on a GPU)."""
+    return os.environ.get("RLINF_PACK_LEFT", "0") == "1"
+
+
+def _packed_logprobs(
+    model: Any, batch: SequenceBatch, fused: bool, temperature: float, with_entropy: bool
+) -> Any:
+    """`_logprobs` with every row's tokens moved left by its prompt padding, so the padding
+    follows the real tokens: plain causal attention then never lets a real token see
+    padding, and the model gets no mask (SDPA's causal kernels, which skip the blocks above
+    the diagonal, instead of a [B, 1, W, W] mask that every block reads). Positions count
+    real tokens as before. The output head runs on the positions that predict some row's
+    answer (from the row with the most padding on), and each row's log-probs are read from
+    where its answer now lies."""
+    from rlinf_twoworker.algorithm import token_logprobs
+
+    p = batch.prompt_length
+    rows, width = batch.input_ids.shape
+    columns = torch.arange(width, device=batch.input_ids.device)
+    lead = (batch.attention_mask[:, :p] == 0).sum(1)  # each row's left padding
+    ids = batch.input_ids.gather(1, (columns[None, :] + lead[:, None]) % width)
+    most = int(lead.max())
+    # Kept positions [start, width): row i's answer token j is predicted at p - lead_i - 1 + j.
+    start = p - 1 - most if keeps_logits(model) else 0
+    keep = {"logits_to_keep": width - start} if keeps_logits(model) else {}
+    logits = model(
+        input_ids=ids,
+        attention_mask=None,
+        position_ids=columns.expand(rows, width),
+        use_cache=False,
+        **keep,
+    ).logits
+    out = token_logprobs(
+        logits[:, :-1],
+        ids[:, start + 1 :],
+        fused=fused,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        many_shapes=True,  # the kept width changes with the batch's padding
+    )
+    answer = torch.arange(width - p, device=ids.device)
+    where = (p - 1 - lead - start)[:, None] + answer[None, :]
+    if isinstance(out, tuple):  # with_entropy
+        return out[0].gather(1, where), out[1].gather(1, where)
+    return out.gather(1, where)
+
+
 def _logprobs(
     model: Any,
     batch: SequenceBatch,
@@ -510,6 +560,8 @@ def _logprobs(
 ) -> Any:
     from rlinf_twoworker.algorithm import token_logprobs
 
+    if packs_left() and not windows_attention(model):
+        return _packed_logprobs(model, batch, fused, temperature, with_entropy)
     p = batch.prompt_length
     # A model that windows its attention gets the 2-D mask: transformers builds its windowed
     # masks from it, and a 4-D one would replace them.

@@ -470,6 +470,35 @@ def test_a_micro_batch_without_padding_runs_through_the_warm_ups_graphs(tmp_path
         torch.testing.assert_close(out[mask], eager[cut][mask], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("trim", [0, 8])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_rows_packed_left_give_the_same_logprobs_and_gradients(
+    tmp_path, monkeypatch, trim, with_entropy
+):
+    """RLINF_PACK_LEFT=1: each row's padding moved after its real tokens, plain causal
+    attention with no mask, the output head from the row with the most padding on and each
+    row's log-probs read from where its answer lies. Prompts of 1-8 tokens left-padded to 8
+    and answers of 4-16 tokens: the log-probs (and entropies) of the answer tokens and every
+    gradient equal the masked forward's, full width and trimmed."""
+    model = load_causal_lm(make_inputs(tmp_path).model_path, torch.float32, torch.device("cpu"))
+    batch = varied_batch((3, 8, 5, 1), (12, 4, 16, 9), 8, 16)
+    real = batch.response_mask.bool()
+    got = {}
+    for packed in ("0", "1"):
+        monkeypatch.setenv("RLINF_PACK_LEFT", packed)
+        model.zero_grad()
+        out = response_logprobs(
+            model, batch, trim_multiple=trim, temperature=0.7, with_entropy=with_entropy
+        )
+        parts = out if with_entropy else (out,)
+        sum((part * batch.response_mask).sum() for part in parts).backward()
+        got[packed] = ([part[real] for part in parts], [p.grad.clone() for p in model.parameters()])
+    for plain, packed in zip(got["0"][0], got["1"][0]):
+        torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
+    for plain, packed in zip(got["0"][1], got["1"][1]):
+        torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-4)
+
+
 def test_marks_leave_the_feature_sizes_static_when_a_batch_size_equals_them(model):
     """mark_dynamic_layers marks rows and width but never a 3-D input's last dimension: with a
     width equal to the hidden size (64 in the tiny model), hidden_states' width is marked and
