@@ -81,7 +81,11 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--cut", type=int, default=4096, help="runner.micro_batch_tokens")
     parser.add_argument("--root", default="/tmp/rlinf-bench")
-    parser.add_argument("--model", default=None, help="a model directory (default: the 1.5B)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a model directory (default: the 1.5B; with --cpu the demo's tiny model)",
+    )
     parser.add_argument("--cpu", action="store_true", help="a smoke run on CPUs (gloo)")
     parser.add_argument(
         "--lengths",
@@ -101,9 +105,13 @@ def main() -> None:
     )
     args = parser.parse_args()
     root = Path(args.root)
-    model_dir = Path(args.model) if args.model else make_model_dir(root)
+    inputs = make_inputs(root / "inputs")
     cuda = not args.cpu
-    data = make_inputs(root / "inputs").data_path
+    # The CPU smoke run takes the demo's tiny model: the 1.5B is built on a GPU.
+    model_dir = (
+        Path(args.model) if args.model else (make_model_dir(root) if cuda else inputs.model_path)
+    )
+    data = inputs.data_path
     overrides = [
         *job_overrides(model_dir, data, root, "actor-step", 2),
         f"runner.micro_batch_tokens={args.cut}",
