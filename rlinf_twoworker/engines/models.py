@@ -515,8 +515,8 @@ def _packed_logprobs(
     padding, and the model gets no mask (SDPA's causal kernels, which skip the blocks above
     the diagonal, instead of a [B, 1, W, W] mask that every block reads). Positions count
     real tokens as before. The output head runs on the positions that predict some row's
-    answer (from the row with the most padding on), and each row's log-probs are read from
-    where its answer now lies."""
+    answer (transformers' `logits_to_keep` as indices; rows whose padding differs widen them
+    by the difference), and each row's log-probs are read from where its answer now lies."""
     from rlinf_twoworker.algorithm import token_logprobs
 
     p = batch.prompt_length
@@ -524,10 +524,11 @@ def _packed_logprobs(
     columns = torch.arange(width, device=batch.input_ids.device)
     lead = (batch.attention_mask[:, :p] == 0).sum(1)  # each row's left padding
     ids = batch.input_ids.gather(1, (columns[None, :] + lead[:, None]) % width)
-    most = int(lead.max())
-    # Kept positions [start, width): row i's answer token j is predicted at p - lead_i - 1 + j.
-    start = p - 1 - most if keeps_logits(model) else 0
-    keep = {"logits_to_keep": width - start} if keeps_logits(model) else {}
+    # Row i's answer token j is predicted at position p - lead_i - 1 + j: the positions
+    # [begin, end) cover every row's (the rows with the most and the least padding bound them).
+    begin, end = p - 1 - int(lead.max()), width - 1 - int(lead.min())
+    kept = torch.arange(begin, end, device=ids.device)
+    keep = {"logits_to_keep": kept} if keeps_logits(model) else {}
     logits = model(
         input_ids=ids,
         attention_mask=None,
@@ -536,15 +537,15 @@ def _packed_logprobs(
         **keep,
     ).logits
     out = token_logprobs(
-        logits[:, :-1],
-        ids[:, start + 1 :],
+        logits if keep else logits[:, begin:end],
+        ids[:, begin + 1 : end + 1],
         fused=fused,
         temperature=temperature,
         with_entropy=with_entropy,
         many_shapes=True,  # the kept width changes with the batch's padding
     )
     answer = torch.arange(width - p, device=ids.device)
-    where = (p - 1 - lead - start)[:, None] + answer[None, :]
+    where = (p - 1 - lead - begin)[:, None] + answer[None, :]
     if isinstance(out, tuple):  # with_entropy
         return out[0].gather(1, where), out[1].gather(1, where)
     return out.gather(1, where)

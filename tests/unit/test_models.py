@@ -470,17 +470,43 @@ def test_a_micro_batch_without_padding_runs_through_the_warm_ups_graphs(tmp_path
         torch.testing.assert_close(out[mask], eager[cut][mask], rtol=1e-4, atol=1e-4)
 
 
+def _without_logits_to_keep(model):
+    """`model` as an instance of a subclass whose forward does not take transformers'
+    logits_to_keep (a family without it): the forwards then read the full logits."""
+    base = type(model)
+
+    class FullHead(base):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, use_cache=None):
+            return base.forward(
+                self,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=use_cache,
+            )
+
+    model.__class__ = FullHead
+    return model
+
+
 @pytest.mark.parametrize("trim", [0, 8])
 @pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("head", ["kept", "full"])
 def test_rows_packed_left_give_the_same_logprobs_and_gradients(
-    tmp_path, monkeypatch, trim, with_entropy
+    tmp_path, monkeypatch, trim, with_entropy, head
 ):
     """RLINF_PACK_LEFT=1: each row's padding moved after its real tokens, plain causal
-    attention with no mask, the output head from the row with the most padding on and each
-    row's log-probs read from where its answer lies. Prompts of 1-8 tokens left-padded to 8
-    and answers of 4-16 tokens: the log-probs (and entropies) of the answer tokens and every
-    gradient equal the masked forward's, full width and trimmed."""
+    attention with no mask, the output head on the positions that predict some row's answer
+    and each row's log-probs read from where its answer lies. Prompts of 1-8 tokens
+    left-padded to 8 and answers of 4-16 tokens: the log-probs (and entropies) of the answer
+    tokens and every gradient equal the masked forward's, full width and trimmed, with the
+    head on the kept positions and (a model without logits_to_keep) on all."""
+    from rlinf_twoworker.engines.models import keeps_logits
+
     model = load_causal_lm(make_inputs(tmp_path).model_path, torch.float32, torch.device("cpu"))
+    if head == "full":
+        model = _without_logits_to_keep(model)
+    assert keeps_logits(model) == (head == "kept")
     batch = varied_batch((3, 8, 5, 1), (12, 4, 16, 9), 8, 16)
     real = batch.response_mask.bool()
     got = {}
