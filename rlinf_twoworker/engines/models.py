@@ -340,11 +340,14 @@ def many_shapes_options() -> dict[str, Any]:
     side compiled again on the first micro-batch of the other (seen on an H100: the tutorial's
     warm-up at >= 4096 tokens, then step 1's update at fewer, 6 s of compiling). Its
     non-strict mode skips these size checks (PyTorch's documented remedy for such
-    recompiles); a PyTorch without the option gets none."""
+    recompiles); a PyTorch with the fusion but not that mode compiles these layers without
+    the fusion, and one with neither gets no option."""
     import torch._inductor.config as inductor
 
     if hasattr(inductor.triton, "mix_order_reduction_non_strict_mode"):
         return {"triton.mix_order_reduction_non_strict_mode": True}
+    if hasattr(inductor.triton, "mix_order_reduction"):
+        return {"triton.mix_order_reduction": False}
     return {}
 
 
