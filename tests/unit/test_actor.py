@@ -61,6 +61,15 @@ def _batch(rows: int, width: int, prompt: int) -> SequenceBatch:
     return SequenceBatch(ids, mask, response, prompt)
 
 
+def _fsdp_model(world, **options):
+    """The test model in FSDP2's wrapper on the one-rank world (prepare_for_training with
+    `options`, no mixed precision)."""
+    inputs, _ = world
+    model = load_causal_lm(inputs.model_path, torch.float32, torch.device("cpu"))
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    return prepare_for_training(model, mesh, precision=None, **options)
+
+
 def _grads(model, batches: list[SequenceBatch]) -> tuple[list[float], dict[str, torch.Tensor]]:
     sums = []
     for batch in batches:
@@ -73,19 +82,10 @@ def _grads(model, batches: list[SequenceBatch]) -> tuple[list[float], dict[str, 
 def test_compiled_layers_give_the_eager_logprobs_and_gradients(world):
     """Two batch shapes (the second triggers a recompile); names stay those of the eager model,
     so checkpoints and weight sync are unaffected; checkpointing composes with compilation."""
-    inputs, _ = world
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     batches = [_batch(3, 20, 8), _batch(2, 14, 6)]
     runs = {}
     for compiled in (False, True):
-        model = load_causal_lm(inputs.model_path, torch.float32, torch.device("cpu"))
-        model = prepare_for_training(
-            model,
-            mesh,
-            precision=None,
-            activation_checkpointing=compiled,
-            compiled=compiled,
-        )
+        model = _fsdp_model(world, activation_checkpointing=compiled, compiled=compiled)
         runs[compiled] = _grads(model, batches)
     (eager_sums, eager), (compiled_sums, compiled) = runs[False], runs[True]
     assert list(compiled) == list(eager)
@@ -103,8 +103,6 @@ def test_fsdp_wrapped_marked_layers_compile_once_for_the_length_aware_cuts_width
     compiled again. The log-probs and gradients are eager's."""
     from torch._dynamo.utils import counters
 
-    inputs, _ = world
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     batch = varied_batch((3, 5, 8, 2, 3, 3), (20, 15, 10, 5, 4, 3), 16, 24)
     cuts = [torch.tensor([0, 1]), torch.tensor([2, 3]), torch.tensor([4, 5])]
     widths = {batch.rows(c).trimmed(4)[0].input_ids.shape[1] for c in cuts}
@@ -113,14 +111,8 @@ def test_fsdp_wrapped_marked_layers_compile_once_for_the_length_aware_cuts_width
     for compiled in (False, True):
         torch._dynamo.reset()
         counters.clear()
-        model = load_causal_lm(inputs.model_path, torch.float32, torch.device("cpu"))
-        model = prepare_for_training(
-            model,
-            mesh,
-            precision=None,
-            activation_checkpointing=recompute,
-            compiled=compiled,
-            many_shapes=True,
+        model = _fsdp_model(
+            world, activation_checkpointing=recompute, compiled=compiled, many_shapes=True
         )
         sums, frames = [], []
         for cut in cuts:
