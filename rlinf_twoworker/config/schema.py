@@ -265,8 +265,9 @@ class RunnerConfig:
     log-softmax then take their rows and width as dynamic from their first compile
     (engines/models.mark_dynamic_layers). Off by default: on empty compile caches on both
     sides (benchmarks' --scale-cold, one H100) the tutorial's step 1 took about 10 s longer
-    with it (19.1 s against 9.2 with 64, after the fix that made its gradients finite). Set 128
-    for long runs of varied answers."""
+    with it (19.1 s against 9.2 with 64, after the fix that made its gradients finite; 21.4
+    against 15.3 on another host once step 1's update compiled nothing again: the warm-up
+    compiles for dynamic shapes longer than for one). Set 128 for long runs of varied answers."""
     rollout_dump: bool = True
     """Write every step's answers to rollouts/step_<N>.jsonl in the run directory, one JSON
     line per answer (data index, query id, prompt, answer, reward, advantage, length, whether
