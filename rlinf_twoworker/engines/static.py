@@ -400,9 +400,11 @@ class StaticSampler:
             delta = self._attention(kern, index, h, rotary, mask, slots)
             x, h = self._residual_norm(kern, x, delta, layer.post_attention_layernorm)
             delta = self._mlp(kern, index, h)
-        last = None if delta is None else delta[:, -1]
-        _, h = self._residual_norm(kern, x[:, -1], last, self.model.model.norm)
-        return self.model.lm_head(h)
+        # The last position as [B, 1, hidden], the layers' rank: a [B, hidden] input would
+        # compile the residual norm a second time.
+        last = None if delta is None else delta[:, -1:]
+        _, h = self._residual_norm(kern, x[:, -1:], last, self.model.model.norm)
+        return self.model.lm_head(h[:, 0])
 
     def generate(
         self,

@@ -614,3 +614,20 @@ def test_decode_attention_choice_is_checked():
     assert not kernel_supports(40, 2, 128)  # 20 query heads a KV head
     assert not kernel_supports(8, 2, 256) and not kernel_supports(4, 2, 8)
     assert not kernel_supports(4, 2, 96)
+
+
+def test_a_compiled_decode_step_compiles_each_kernel_once(tiny, monkeypatch):
+    """Every call of a compiled kernel in a decode step has one shape: the last position's
+    final norm takes [B, 1, hidden] as the layers' norms do, not [B, hidden]. A second rank
+    compiled the residual norm again inside the first rollout's decoding (seen on an H100 as
+    `Recompiling function add_rms_norm ... rank mismatch. expected 3, actual 2`)."""
+    model = load_causal_lm(tiny, torch.float32, torch.device("cpu")).eval()
+    ids, mask = left_pad([[5, 6, 7, 8], [9, 10]], pad_id=0, width=6)
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    sampler = StaticSampler(model, 2, 6 + 5, compiled=True, backend="eager")
+    greedy = SamplingSettings(do_sample=False)
+    out = sampler.generate(ids, mask, 5, [-1], 0, greedy)
+    assert sampler.compiled, "the compiled kernels fell back to eager"
+    eager = StaticSampler(model, 2, 6 + 5, compiled=False).generate(ids, mask, 5, [-1], 0, greedy)
+    assert torch.equal(out, eager)
