@@ -36,7 +36,8 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "bench_gpu",
         ("--sections", "scale"),
         "whole GRPO steps at real batch sizes: stage seconds, tokens/s, MFU, each process's "
-        "GPU peak against the memory plan, endurance (--scale-cases)",
+        "GPU peak against the memory plan, endurance (--scale-cases; --scale-topology 2gpu: "
+        "2 nodes x 1 GPU, pipelined)",
     ),
     "scaling": (
         "bench_gpu",

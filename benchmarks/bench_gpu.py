@@ -17,7 +17,8 @@ Sections (each a median of several timed runs after warm-up, CUDA-synchronised):
   scaling    rollout cost as the work grows: 8/32/128 prompts x 8 answers at 1k/4k/8k tokens,
              continuous batching vs one static batch, time-limited (bench_scaling.py; not in
              the default list; --scaling-cases picks cases)
-  scale      whole colocated GRPO steps at real batch sizes: 32x8 and 64x8 prompts x answers at
+  scale      whole GRPO steps at real batch sizes, colocated on one GPU (--scale-topology 2gpu:
+             2 nodes x 1 GPU, pipelined): 32x8 and 64x8 prompts x answers at
              2048 tokens, 8x8 at 8192, the tutorial job under cluster.max_gpu_memory_gb=40
              (memory40) and as it is (tutorial); stage seconds, generated tokens/s, actor and
              inference MFU, each process's nvidia-smi peak beside its memory plan; --scale-cases,
@@ -920,6 +921,13 @@ def _scale(
 ) -> dict:
     from bench_scale import bench_scale, scale_table  # benchmarks/ is the script's path
 
+    nodes, gpus, _ = TOPOLOGIES[args.scale_topology]
+    if torch.cuda.device_count() < nodes * gpus:
+        return {
+            "skipped": f"--scale-topology {args.scale_topology} needs {nodes * gpus} GPUs, "
+            f"found {torch.cuda.device_count()}"
+        }
+
     def save(section: dict) -> None:  # each case's figures on disk as soon as it ends
         results["scale"] = section
         write_result(*key, results, args.out)
@@ -935,6 +943,7 @@ def _scale(
         tuple(args.scale_override),
         save,
         args.scale_cold,
+        args.scale_topology,
     )
     out["table"] = scale_table({"scale": out})
     print(out["table"], flush=True)
@@ -951,7 +960,8 @@ def result_key(args: argparse.Namespace) -> tuple[str, str]:
     if sections == ["scale"]:
         from bench_scale import parse_cases  # benchmarks/ is the script's path
 
-        return "scale", "+".join(parse_cases(args.scale_cases))
+        topology = "" if args.scale_topology == "colocated" else f"-{args.scale_topology}"
+        return "scale", "+".join(parse_cases(args.scale_cases)) + topology
     if sections == ["memory"]:
         return "memory", args.memory_runs or "all"
     if sections == ["scaling"]:
@@ -1025,6 +1035,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="every scale case compiles on empty Inductor, Triton and compile caches of its own "
         "(step 1 then compares across cases and calls; default: the caches are shared)",
+    )
+    parser.add_argument(
+        "--scale-topology",
+        choices=sorted(TOPOLOGIES),
+        default="colocated",
+        help="the scale cases' nodes and GPUs (TOPOLOGIES): colocated, every component on one "
+        "GPU (default); 2gpu, 2 nodes x 1 GPU, the rollout and reward on one, inference and the "
+        "actor on the other, the stages pipelined",
     )
     args = parser.parse_args(argv)
     if args.scale_steps < 1:

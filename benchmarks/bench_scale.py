@@ -3,10 +3,14 @@
     python benchmarks/bench_gpu.py --sections scale [--scale-cases 32x8@2048,memory40]
         [--scale-steps 3] [--scale-endurance-steps 30] [--scale-case-limit-s 900]
         [--scale-override runner.micro_batch_tokens=16384 ...] [--scale-cold]
+        [--scale-topology colocated|2gpu]
 
 Each case is one run of `run_grpo_two_worker` on a LocalCluster of one node with one GPU, every
-component on it (bench_gpu.TOPOLOGIES["colocated"]), the 1.5B shape with random weights, the
-tutorial's data, a checkpoint at the last step (deleted after the case: ~21 GB):
+component on it (bench_gpu.TOPOLOGIES["colocated"]), or with --scale-topology 2gpu of 2 nodes
+x 1 GPU: the rollout and reward on the first, inference and the actor on the second, the stages
+pipelined (rollout results flow on to inference and the actor as they complete); the 1.5B shape
+with random weights, the tutorial's data, a checkpoint at the last step (deleted after the
+case: ~21 GB):
   PxG@S     data.rollout_batch_size=P, algorithm.group_size=G, runner.seq_length=S and
             reward.reward_fn=bench_rewards:parity; every other key the library's default
             (data.max_prompt_length 256, so answers of up to S - 256 tokens; 4 minibatches;
@@ -29,16 +33,16 @@ case says so). memory40 and tutorial keep the default reward: they are the tutor
 
 Per case: every stage's seconds (time/... of StepResult.timings, the median over steps 2..N,
 and step 1's on their own);
-generated tokens/s per GPU (answer tokens, rollout/response_length x rows, over the rollout's
-seconds); inference MFU, 2 x N x answer tokens over the log-prob recompute's seconds, and
-actor MFU, 6 x N x trained (answer) tokens over the update's seconds, N the model's parameters
-and the bf16 rate the one bench_gpu.py measured in the same call; each component process's
-nvidia-smi peak (every 0.25 s, gpu_use.py) beside its memory-plan estimate (memory_plan.json,
-the CUDA context included) and the whole GPU's; the advantages and the gradient norm (the
-updates were real); verification. Each step's figures are kept too: the GPU's and each
-process's nvidia-smi peak during it and each process's host RSS after it. With
---scale-endurance-steps N the 32x8@2048 case runs N steps and says whether host RSS or GPU
-memory grew after step 3.
+generated tokens/s per GPU (answer tokens, rollout/response_length x rows, over the
+rollout's seconds, over the job's GPUs); inference MFU, 2 x N x answer tokens over the log-prob
+recompute's seconds, and actor MFU, 6 x N x trained (answer) tokens over the update's seconds,
+N the model's parameters and the bf16 rate the one bench_gpu.py measured in the same call;
+each component process's nvidia-smi peak (every 0.25 s, gpu_use.py) beside its memory-plan
+estimate (memory_plan.json, the CUDA context included) and the whole GPU's (each GPU's with
+2gpu); the advantages and the gradient norm (the updates were real); verification. Each
+step's figures are kept too: the GPU's and each process's nvidia-smi peak during it and each
+process's host RSS after it. With --scale-endurance-steps N the 32x8@2048 case runs N steps
+and says whether host RSS or GPU memory grew after step 3.
 
 A case that fails keeps its error and the figures of the steps it finished; the next case
 runs. Each case has a time limit (--scale-case-limit-s; by default 300 s + 150 s a step).
@@ -60,11 +64,13 @@ from typing import Any
 
 from gpu_use import (  # benchmarks/ is the script's path
     GpuUseSampler,
+    GpuUseSamplers,
     by_name,
     component_pids,
     grew,
     name_of,
     plan_estimates,
+    sampler_for,
     wait_released,
 )
 
@@ -212,10 +218,12 @@ def run_case(
     extra: Sequence[str] = (),
     stamp: int | None = None,
     cold: bool = False,
+    topology: str = "colocated",
 ) -> dict[str, Any]:
     """One case (module docstring), its figures as a dict; never raises for the run's
     failures: they are kept under "error" beside the figures of the finished steps. `cold`:
-    the case compiles on empty caches of its own (case_caches)."""
+    the case compiles on empty caches of its own (case_caches); `topology`: a key of
+    bench_gpu.TOPOLOGIES."""
     from bench_gpu import TOPOLOGIES, job_overrides  # benchmarks/ is the script's path
 
     from rlinf_twoworker.api.demo import make_inputs
@@ -247,18 +255,17 @@ def run_case(
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         os.environ[var] = str(caches[var])  # inherited by the cluster's workers
     _on_pythonpath(BENCH)
-    nodes, gpus, _ = TOPOLOGIES["colocated"]
+    nodes, gpus, placement = TOPOLOGIES[topology]
+    out["topology"] = f"{topology}: {nodes} node(s) x {gpus} GPU(s), {placement}"
     results: list[Any] = []
     pids: dict[int, str] = {}
-    sampler = GpuUseSampler(gpu=0, interval_s=0.25)
+    sampler = sampler_for(nodes * gpus)
     started = time.perf_counter()
     report = None
     try:
         data = make_inputs(root / "inputs").data_path
         overrides = [
-            *job_overrides(
-                model_dir, data, root, run_id, steps, compile_cache=caches["compile_cache"]
-            ),
+            *job_overrides(model_dir, data, root, run_id, steps, topology, caches["compile_cache"]),
             *own,
             *extra,
         ]
@@ -317,7 +324,16 @@ def run_case(
     if "rows" in out:
         try:
             out.update(
-                _figures(model_dir, run_dir, results, out["rows"], peak_tflops, sampler, pids)
+                _figures(
+                    model_dir,
+                    run_dir,
+                    results,
+                    out["rows"],
+                    peak_tflops,
+                    sampler,
+                    pids,
+                    gpus=nodes * gpus,
+                )
             )
         except Exception as exc:  # the figures must not cost the case its error or the others
             out["figures_error"] = f"{type(exc).__name__}: {exc}"
@@ -331,14 +347,14 @@ def _figures(
     results: list[Any],
     rows: int,
     peak_tflops: float | None,
-    sampler: GpuUseSampler,
+    sampler: GpuUseSampler | GpuUseSamplers,
     pids: dict[int, str],
+    gpus: int = 1,
 ) -> dict[str, Any]:
     from bench_gpu import plan_vs_measured  # benchmarks/ is the script's path
 
-    out = summarise(
-        results, rows, param_count(model_dir), peak_tflops, sampler, {**pids, os.getpid(): "driver"}
-    )
+    names = {**pids, os.getpid(): "driver"}
+    out = summarise(results, rows, param_count(model_dir), peak_tflops, sampler, names, gpus)
     out.update(_plan(run_dir, out["nvidia_smi_peak_gib_by_process"]))
     if results and (run_dir / "memory_plan.json").exists():
         out["memory_plan_vs_pytorch"] = _or_error(plan_vs_measured, run_dir, results)
@@ -376,7 +392,8 @@ def stage_medians(results: Sequence[Any]) -> dict[str, float]:
 def rates(results: Sequence[Any], rows: int, gpus: int = 1) -> dict[str, float | None]:
     """Tokens a step (medians over steps 2..N) over the stages' median seconds: the answers'
     tokens (rollout/response_length x rows) for the rollout and the log-prob recompute, the
-    actor's own count of the tokens it trained on (the answers' too) for the update."""
+    actor's own count of the tokens it trained on (the answers' too) for the update. The
+    rollout's rate per GPU is over the job's `gpus` GPUs (generated_tokens_per_s: the whole)."""
     later = list(results[1:]) or list(results)
     stages = stage_medians(results)
     answers = _median(
@@ -404,6 +421,7 @@ def rates(results: Sequence[Any], rows: int, gpus: int = 1) -> dict[str, float |
     return {
         "answer_tokens": answers,
         "trained_tokens": trained,
+        "generated_tokens_per_s": rollout,
         "generated_tokens_per_s_per_gpu": None if rollout is None else rollout / gpus,
         "inference_tokens_per_s": per_s(answers, "time/inference"),
         "actor_tokens_per_s": per_s(trained, "time/actor/training"),
@@ -415,14 +433,16 @@ def summarise(
     rows: int,
     n_params: int,
     peak_tflops: float | None,
-    sampler: GpuUseSampler,
+    sampler: GpuUseSampler | GpuUseSamplers,
     names: dict[int, str],
+    gpus: int = 1,
 ) -> dict[str, Any]:
-    """A case's figures from its StepResults and the nvidia-smi samples (module docstring)."""
+    """A case's figures from its StepResults and the nvidia-smi samples (module docstring);
+    `gpus`: the job's GPUs (the rollout's tokens/s per GPU is over them)."""
     out: dict[str, Any] = {"steps_done": len(results), "model_params": n_params}
     if results:
         stages = stage_medians(results)
-        rate = rates(results, rows)
+        rate = rates(results, rows, gpus)
         peak = peak_tflops * 1e12 if peak_tflops else None
         inference_tok, actor_tok = rate["inference_tokens_per_s"], rate["actor_tokens_per_s"]
         out.update(
@@ -473,7 +493,9 @@ def _updates(results: Sequence[Any]) -> dict[str, Any]:
     return {"real": bool(real), "per_step": per}
 
 
-def per_step(results: Sequence[Any], sampler: GpuUseSampler, names: dict[int, str]) -> list:
+def per_step(
+    results: Sequence[Any], sampler: GpuUseSampler | GpuUseSamplers, names: dict[int, str]
+) -> list:
     """Each step's nvidia-smi peaks (the GPU's and each process's, from the previous step's
     end to its own), each process's host RSS after it (its memory/<c>/<r>/host_rss_gib) and
     its seconds in torch.compile during it (compile/<c>/<r>/seconds)."""
@@ -487,10 +509,16 @@ def per_step(results: Sequence[Any], sampler: GpuUseSampler, names: dict[int, st
             if k.startswith("memory/") and k.endswith("/host_rss_gib")
         }
         peak = sampler.gpu_peak(start, end)
+        by_gpu = (
+            {g: round(v, 3) for g, v in sampler.gpu_peaks(start, end).items()}
+            if isinstance(sampler, GpuUseSamplers)
+            else None
+        )
         out.append(
             {
                 "step": r.step,
                 "gpu_peak_gib": None if peak is None else round(peak, 3),
+                **({} if by_gpu is None else {"gpu_peak_gib_by_gpu": by_gpu}),
                 "gpu_peak_gib_by_process": by_name(
                     sampler.peak_by_pid(start, end), names, sampler.ancestors, sampler.commands
                 ),
@@ -541,9 +569,21 @@ def _plan(run_dir: Path, peaks: dict[str, float]) -> dict[str, Any]:
         return {}
     plan = json.loads(path.read_text(encoding="utf-8"))
     estimates = plan_estimates(run_dir)
-    gpu = (plan.get("gpus") or [{}])[0]
+    gpus = plan.get("gpus") or [{}]
+    gpu = gpus[0]
     return {
         "plan_settings": plan.get("settings", {}),
+        # Each GPU's estimate and budget where the job has more than one (the first's above).
+        **(
+            {
+                "plan_gpus": [
+                    {k: g.get(k) for k in ("resource_rank", "estimate_gib", "budget_gib")}
+                    for g in gpus
+                ]
+            }
+            if len(gpus) > 1
+            else {}
+        ),
         "plan_gpu_estimate_gib": gpu.get("estimate_gib"),
         "plan_gpu_budget_gib": gpu.get("budget_gib"),
         "plan_vs_nvidia_smi": [
@@ -569,10 +609,15 @@ def bench_scale(
     extra: Sequence[str] = (),
     save: Callable[[dict], None] | None = None,
     cold: bool = False,
+    topology: str = "colocated",
 ) -> dict[str, Any]:
     """Every case in turn (module docstring); `save` gets the section after each case.
-    `cold`: every case on empty caches of its own (case_caches)."""
+    `cold`: every case on empty caches of its own (case_caches); `topology`: a key of
+    bench_gpu.TOPOLOGIES, the nodes and GPUs of every case's LocalCluster."""
+    from bench_gpu import TOPOLOGIES  # benchmarks/ is the script's path
     from gpu_use import parse_used
+
+    nodes, gpus, _ = TOPOLOGIES[topology]
 
     names = parse_cases(cases)
     if endurance_steps > 0 and ENDURANCE_CASE not in names:
@@ -584,16 +629,26 @@ def bench_scale(
         "endurance_steps": endurance_steps,
         "extra_overrides": list(extra),
         "cold_caches": cold,
+        "topology": topology,
         "bf16_peak_tflops": peak_tflops,
     }
-    out["gpu_before_gib"] = before = parse_used(_query_gpu())
+    befores = [parse_used(_query_gpu(g)) for g in range(nodes * gpus)]
+    out["gpu_before_gib"] = befores[0]
+    if len(befores) > 1:
+        out["gpu_before_gib_by_gpu"] = dict(enumerate(befores))
     for name in names:
         n = endurance_steps if endurance_steps > 0 and name == ENDURANCE_CASE else steps
-        waited = None
-        if before is not None:  # the last case's processes give their memory back
-            waited = wait_released(0, before + 1.0, timeout_s=90)
-        case = run_case(model_dir, root, name, n, limit_s, peak_tflops, extra, stamp, cold)
-        case["gpu_used_at_case_start_gib"] = waited
+        # The last case's processes give their memory back (each GPU's figure after the wait).
+        waited = [
+            None if before is None else wait_released(g, before + 1.0, timeout_s=90)
+            for g, before in enumerate(befores)
+        ]
+        case = run_case(
+            model_dir, root, name, n, limit_s, peak_tflops, extra, stamp, cold, topology
+        )
+        case["gpu_used_at_case_start_gib"] = waited[0]
+        if len(waited) > 1:
+            case["gpu_used_at_case_start_gib_by_gpu"] = dict(enumerate(waited))
         if n == endurance_steps and name == ENDURANCE_CASE:
             case["endurance"] = endurance(case.get("per_step", []))
         out["cases"][name] = case
@@ -603,10 +658,10 @@ def bench_scale(
     return out
 
 
-def _query_gpu() -> str | None:
+def _query_gpu(gpu: int = 0) -> str | None:
     from gpu_use import GPU_QUERY, nvidia_smi
 
-    return nvidia_smi(GPU_QUERY, 0)
+    return nvidia_smi(GPU_QUERY, gpu)
 
 
 def _brief(case: dict) -> dict:
@@ -636,6 +691,12 @@ def _gpu_cell(case: dict) -> str:
     peak = case.get("gpu_peak_gib")
     if peak is None:
         return "-"
+    by_gpu = case.get("gpu_peak_gib_by_gpu")
+    if by_gpu and len(by_gpu) > 1:  # each GPU's peak, then each GPU's plan
+        plans = case.get("plan_gpus") or []
+        cells = [f"GPU {g} {_cell(v, '.1f')}" for g, v in by_gpu.items()]
+        plan = ", ".join(_cell(p.get("estimate_gib"), ".1f") for p in plans)
+        return "; ".join(cells) + (f" (plan {plan})" if plan else "")
     notes = [f"{case['gpu_baseline_gib']:.1f} before"] if case.get("gpu_baseline_gib") else []
     if case.get("plan_gpu_estimate_gib") is not None:
         notes.append(f"plan {case['plan_gpu_estimate_gib']:.1f}")

@@ -200,6 +200,78 @@ class GpuUseSampler:
         }
 
 
+@dataclass
+class GpuUseSamplers:
+    """One GpuUseSampler per GPU of a run on several, read as one: a process's peak is its
+    highest on any GPU (a run's component uses one), the GPU peak is the highest GPU's, and
+    `gpu_peaks` and the summary keep each GPU's own."""
+
+    parts: list[GpuUseSampler]
+
+    def __enter__(self) -> GpuUseSamplers:
+        for part in self.parts:
+            part.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for part in self.parts:
+            part.__exit__(*exc)
+
+    @property
+    def started_at(self) -> float:
+        return min(part.started_at for part in self.parts)
+
+    @property
+    def ancestors(self) -> dict[int, list[int]]:
+        return {pid: a for part in self.parts for pid, a in part.ancestors.items()}
+
+    @property
+    def commands(self) -> dict[int, str]:
+        return {pid: c for part in self.parts for pid, c in part.commands.items()}
+
+    def peak_by_pid(self, start: float | None = None, end: float | None = None) -> dict[int, float]:
+        peaks: dict[int, float] = {}
+        for part in self.parts:
+            for pid, gib in part.peak_by_pid(start, end).items():
+                peaks[pid] = max(gib, peaks.get(pid, 0.0))
+        return peaks
+
+    def unreported_pids(self) -> list[int]:
+        return sorted({pid for part in self.parts for pid in part.unreported_pids()})
+
+    def gpu_peaks(self, start: float | None = None, end: float | None = None) -> dict[int, float]:
+        """Each GPU's used-memory peak in the window ({GPU index: GiB}; none: no figure)."""
+        out = {}
+        for part in self.parts:
+            peak = part.gpu_peak(start, end)
+            if peak is not None:
+                out[part.gpu] = peak
+        return out
+
+    def gpu_peak(self, start: float | None = None, end: float | None = None) -> float | None:
+        peaks = self.gpu_peaks(start, end).values()
+        return max(peaks) if peaks else None
+
+    def summary(self) -> dict[str, Any]:
+        baselines = [p.baseline_gib for p in self.parts if p.baseline_gib is not None]
+        return {
+            "samples": sum(len(p.samples) for p in self.parts),
+            "interval_s": self.parts[0].interval_s,
+            "nvidia_smi_failures": sum(p.failed for p in self.parts),
+            "gpu_baseline_gib": max(baselines) if baselines else None,
+            "gpu_peak_gib": self.gpu_peak(),
+            "gpu_baseline_gib_by_gpu": {p.gpu: p.baseline_gib for p in self.parts},
+            "gpu_peak_gib_by_gpu": {p.gpu: p.gpu_peak() for p in self.parts},
+        }
+
+
+def sampler_for(gpus: int, interval_s: float = 0.25) -> GpuUseSampler | GpuUseSamplers:
+    """nvidia-smi sampling of GPUs 0..gpus-1: one sampler, or one per GPU read as one."""
+    if gpus == 1:
+        return GpuUseSampler(gpu=0, interval_s=interval_s)
+    return GpuUseSamplers([GpuUseSampler(gpu=g, interval_s=interval_s) for g in range(gpus)])
+
+
 def pids_from_topology(rows: Iterable[Mapping[str, Any]]) -> dict[int, str]:
     """RunHandle.topology()'s rows -> {pid: 'component:rank'}."""
     return {

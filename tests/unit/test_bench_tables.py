@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 from support import BENCHMARKS
@@ -426,3 +427,73 @@ def test_scale_summary_and_table(scale, tmp_path):
     assert len(notes) == 2
     assert notes[0].startswith("64x8@2048: TimeoutError")
     assert notes[1].startswith("endurance tutorial, 2 steps") and "too few steps" in notes[1]
+
+
+def test_two_gpu_cases_sample_both_gpus_and_report_each(scale, bench_gpu, tmp_path):
+    """--scale-topology 2gpu: a sampler per GPU read as one (a process's peak on its GPU, each
+    GPU's own peak), the rollout's tokens/s per GPU over both, each GPU's plan in the table;
+    and the 2-node placement loads as a valid config for every case."""
+    bench_scale, gpu_use = scale
+    from rlinf_twoworker.config import load_config, to_typed
+
+    gpu0 = CannedSmi([("", "512\n"), ("11, 4096\n", "5120\n"), ("11, 6144\n", "7168\n")])
+    gpu1 = CannedSmi([("", "1024\n"), ("12, 30720\n", "31744\n"), ("12, 40960\n", "[N/A]\n")])
+    both = gpu_use.GpuUseSamplers(
+        [
+            gpu_use.GpuUseSampler(gpu=0, interval_s=0.01, query=gpu0, describe=lambda p: ([], "")),
+            gpu_use.GpuUseSampler(gpu=1, interval_s=0.01, query=gpu1, describe=lambda p: ([], "")),
+        ]
+    )
+    with both:
+        for _ in range(300):
+            if min(len(p.samples) for p in both.parts) >= 4:
+                break
+            time.sleep(0.01)
+    assert {g for _, g in gpu0.calls} == {0} and {g for _, g in gpu1.calls} == {1}
+    assert both.peak_by_pid() == {11: 6.0, 12: 40.0}
+    assert both.gpu_peaks() == {0: 7.0, 1: 31.0}
+    assert both.gpu_peak() == 31.0
+    summary = both.summary()
+    assert summary["gpu_peak_gib_by_gpu"] == {0: 7.0, 1: 31.0}
+    assert summary["gpu_baseline_gib_by_gpu"] == {0: 0.5, 1: 1.0}
+    assert summary["gpu_baseline_gib"] == 1.0 and summary["nvidia_smi_failures"] >= 1
+    assert isinstance(gpu_use.sampler_for(1), gpu_use.GpuUseSampler)
+    assert [p.gpu for p in gpu_use.sampler_for(2).parts] == [0, 1]
+
+    end = max(s.at for p in both.parts for s in p.samples) + 1
+    steps = [Step(1, end, 40.0), Step(2, end + 1, 20.0)]
+    names = {11: "rollout:0", 12: "actor:0"}
+    one = bench_scale.summarise(steps, 256, 1_777_088_000, None, both, names)
+    case = bench_scale.summarise(steps, 256, 1_777_088_000, None, both, names, gpus=2)
+    assert case["generated_tokens_per_s"] == one["generated_tokens_per_s_per_gpu"]
+    assert case["generated_tokens_per_s_per_gpu"] == pytest.approx(
+        one["generated_tokens_per_s_per_gpu"] / 2
+    )
+    assert case["nvidia_smi_peak_gib_by_process"] == {"rollout:0": 6.0, "actor:0": 40.0}
+    assert case["per_step"][0]["gpu_peak_gib_by_gpu"] == {0: 7.0, 1: 31.0}
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    plan = {
+        "gpus": [
+            {"resource_rank": r, "estimate_gib": est, "budget_gib": 139.0, "processes": [p]}
+            for r, est, p in (
+                (0, 8.0, {"component": "rollout", "rank": 0, "estimate_gib": 6.5}),
+                (1, 45.0, {"component": "actor", "rank": 0, "estimate_gib": 41.0}),
+            )
+        ]
+    }
+    (run_dir / "memory_plan.json").write_text(json.dumps(plan))
+    case.update(bench_scale._plan(run_dir, case["nvidia_smi_peak_gib_by_process"]))
+    assert [g["estimate_gib"] for g in case["plan_gpus"]] == [8.0, 45.0]
+    table = rows(bench_scale.scale_table({"scale": {"cases": {"32x8@2048": case}}}))
+    assert table["32x8@2048"][8] == "GPU 0 7.0; GPU 1 31.0 (plan 8.0, 45.0)"
+
+    data = tmp_path / "data.jsonl"
+    for name in bench_scale.CASES:
+        overrides = bench_gpu.job_overrides(tmp_path, data, tmp_path, "r", 2, topology="2gpu")
+        typed = to_typed(load_config(overrides=[*overrides, *bench_scale.case_overrides(name)]))
+        assert (typed.cluster.num_nodes, typed.cluster.num_gpus_per_node) == (2, 1)
+    args = bench_gpu.parse_args(["--sections", "scale", "--scale-topology", "2gpu"])
+    assert bench_gpu.result_key(args) == ("scale", "+".join(bench_scale.CASES) + "-2gpu")
+    with pytest.raises(SystemExit):
+        bench_gpu.parse_args(["--sections", "scale", "--scale-topology", "4gpu"])
