@@ -39,6 +39,12 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "GPU peak against the memory plan, endurance (--scale-cases; --scale-topology 2gpu: "
         "2 nodes x 1 GPU, pipelined)",
     ),
+    "grader": (
+        "check_grader",
+        (),
+        "the default math grader against RLinf's own verify.py on generated answer/solution "
+        "pairs: verdicts and extracted strings (CPU; needs an RLinf checkout, --rlinf DIR)",
+    ),
     "scaling": (
         "bench_gpu",
         ("--sections", "scaling"),

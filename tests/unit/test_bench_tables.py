@@ -497,3 +497,25 @@ def test_two_gpu_cases_sample_both_gpus_and_report_each(scale, bench_gpu, tmp_pa
     assert bench_gpu.result_key(args) == ("scale", "+".join(bench_scale.CASES) + "-2gpu")
     with pytest.raises(SystemExit):
         bench_gpu.parse_args(["--sections", "scale", "--scale-topology", "4gpu"])
+
+
+def test_grader_check_draws_the_same_pairs_and_counts_what_differs():
+    """benchmarks/check_grader.py (the library's RLinf grader against RLinf's own code): a seed
+    gives the same pairs, and a pair is a disagreement when the verdict or either extracted
+    string differs; one that ran out of time on either side is counted, not compared."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import check_grader
+    finally:
+        sys.path.remove(str(BENCH))
+    drawn = check_grader.pairs(200, 5)
+    assert drawn == check_grader.pairs(200, 5) != check_grader.pairs(200, 6)
+    assert all(isinstance(a, str) and isinstance(s, str) for a, s in drawn)
+    cases = [("\\boxed{1}", "1"), ("\\boxed{2}", "3"), ("\\boxed{x}", "x"), ("a", "b")]
+    library = [(True, "1", "1"), (False, "2", "3"), (True, "x", "x"), None]
+    reference = [(True, "1", "1"), (False, "2", "3"), (True, "x", "X"), (False, "", "b")]
+    result = check_grader.compare(cases, library, reference)
+    assert result["judged_by_both"] == 3 and result["timed_out"] == 1
+    assert result["disagreements"] == 1 and result["rlinf_correct"] == 2
+    assert result["disagreeing_pairs"][0]["rlinf"] == (True, "x", "X")
+    assert [d["answer"] for d in result["timed_out_on_one_side"]] == ["a"]
