@@ -186,7 +186,9 @@ def judge_all(
     cases: list[tuple[str, str]], side: str, rlinf: str, timeout_s: float
 ) -> list[tuple[bool, str, str] | None]:
     """Each pair's judgement on one side, None where it ran out of time (the worker is then
-    replaced, as RLinf replaces its pool)."""
+    replaced, as RLinf replaces its pool). A killed worker leaves the semaphores of what it
+    had made (RLinf's verify.py makes a process pool on import) to the resource tracker,
+    which cleans them up at the end and says how many with a warning."""
     ctx = mp.get_context("spawn")
     out: list[tuple[bool, str, str] | None] = []
     pool = ctx.Pool(1, initializer=_init, initargs=(rlinf,))
