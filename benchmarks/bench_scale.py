@@ -510,7 +510,10 @@ def per_step(
         }
         peak = sampler.gpu_peak(start, end)
         by_gpu = (
-            {g: round(v, 3) for g, v in sampler.gpu_peaks(start, end).items()}
+            {
+                g: None if v is None else round(v, 3)
+                for g, v in sampler.gpu_peaks(start, end).items()
+            }
             if isinstance(sampler, GpuUseSamplers)
             else None
         )

@@ -239,17 +239,14 @@ class GpuUseSamplers:
     def unreported_pids(self) -> list[int]:
         return sorted({pid for part in self.parts for pid in part.unreported_pids()})
 
-    def gpu_peaks(self, start: float | None = None, end: float | None = None) -> dict[int, float]:
-        """Each GPU's used-memory peak in the window ({GPU index: GiB}; none: no figure)."""
-        out = {}
-        for part in self.parts:
-            peak = part.gpu_peak(start, end)
-            if peak is not None:
-                out[part.gpu] = peak
-        return out
+    def gpu_peaks(
+        self, start: float | None = None, end: float | None = None
+    ) -> dict[int, float | None]:
+        """Each GPU's used-memory peak in the window ({GPU index: GiB}; None: no figure)."""
+        return {part.gpu: part.gpu_peak(start, end) for part in self.parts}
 
     def gpu_peak(self, start: float | None = None, end: float | None = None) -> float | None:
-        peaks = self.gpu_peaks(start, end).values()
+        peaks = [p for p in self.gpu_peaks(start, end).values() if p is not None]
         return max(peaks) if peaks else None
 
     def summary(self) -> dict[str, Any]:
@@ -261,7 +258,7 @@ class GpuUseSamplers:
             "gpu_baseline_gib": max(baselines) if baselines else None,
             "gpu_peak_gib": self.gpu_peak(),
             "gpu_baseline_gib_by_gpu": {p.gpu: p.baseline_gib for p in self.parts},
-            "gpu_peak_gib_by_gpu": {p.gpu: p.gpu_peak() for p in self.parts},
+            "gpu_peak_gib_by_gpu": self.gpu_peaks(),
         }
 
 
