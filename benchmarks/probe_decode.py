@@ -13,7 +13,9 @@ around the middle of an answer (--start 832 --steps 128 after a 256-token prompt
 
 --splits N,M,...: with --diff, first the wall time of a decode step with the split-KV kernel's
 column ranges per (slot, KV head) set to each (the sampler's own pick, splits_for, is printed),
-its graphs captured again for each; then the profile at the sampler's own pick.
+its graphs captured again for each; then the profile at the sampler's own pick, whose line's
+"ms wall" is the own pick's step, measured after the others (list the own pick among them, in
+alternation, to compare in one order).
 
 --group G: each prompt repeated for G slots in a row, as a GRPO group's answers (the sampler
 prefills it once and the group's slots read its columns from one slot); 1: distinct prompts.

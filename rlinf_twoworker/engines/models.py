@@ -564,12 +564,13 @@ def _logprobs(
 ) -> Any:
     from rlinf_twoworker.algorithm import token_logprobs
 
-    if packs_left() and not windows_attention(model):
+    # A model that windows its attention gets the 2-D mask: transformers builds its windowed
+    # masks from it, and a 4-D one (or none, packed) would replace them.
+    windowed = windows_attention(model)
+    if packs_left() and not windowed:
         return _packed_logprobs(model, batch, fused, temperature, with_entropy)
     p = batch.prompt_length
-    # A model that windows its attention gets the 2-D mask: transformers builds its windowed
-    # masks from it, and a 4-D one would replace them.
-    if windows_attention(model):
+    if windowed:
         mask = batch.attention_mask
     else:
         mask = batch.model_attention_mask(compiled=layers_compiled(model))
