@@ -11,8 +11,9 @@ largest difference from a float32 reference. Part 2: the sampler's generate() at
 new tokens after a 256-token prompt, GRPO groups of 8 answers a prompt, each attention (and the
 kernel on distinct prompts, which share nothing), seconds and generated tokens/s. Part 3: the
 kernel table of a decode. Part 4: the sampler's generate() as in part 2 (groups of 8, the
-attention the sampler picks) with the sampling race compiled (the default) against eager, the
-two interleaved.
+attention the sampler picks) with the sampling race compiled (the default: its noise drawn
+inside the compiled pass), compiled with the noise drawn beforehand by exponential_ ("given",
+the race before the draw moved inside) and eager, the three interleaved.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def part3() -> str:
 
 def part4(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
     from rlinf_twoworker.engines.static import SamplingSettings, StaticSampler
-    from rlinf_twoworker.engines.static_kernels import exponential_race
+    from rlinf_twoworker.engines.static_kernels import eager_race, exponential_race
 
     model = _model()
     settings = SamplingSettings()
@@ -219,10 +220,15 @@ def part4(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
         mask = torch.ones_like(ids)
         sampler = StaticSampler(model, b, 256 + new)
         compiled = sampler.kernels
-        for race in ["compiled", "eager"] * repeats:
-            sampler.kernels = (
-                compiled if race == "compiled" else compiled._replace(race=exponential_race)
-            )
+        fused = torch.compile(exponential_race)
+
+        def given(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+            noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+            return fused(logits, noise.exponential_(1), temperature)
+
+        races = {"compiled": compiled.race, "given": given, "eager": eager_race}
+        for race in ["compiled", "given", "eager"] * repeats:
+            sampler.kernels = compiled._replace(race=races[race])
             sampler.drop_graphs()  # captured again with this race
             labels = {"attention": sampler.attention, "race": race}
             rows.append(_timed_generate(sampler, ids, mask, new, settings, **labels))

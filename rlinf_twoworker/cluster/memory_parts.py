@@ -271,8 +271,8 @@ def logprob_parts(cfg: GRPOConfig, shape: ModelShape, precision: str) -> dict[st
 def rollout_parts(cfg: GRPOConfig, shape: ModelShape) -> dict[str, int]:
     """The rollout copy: its weights, the KV cache of the rows decoded together, the prefill's
     activations and the decode step's logits: with the compiled sampling race (enough slots,
-    engines/sampling.race_compiled) the logits and their float32 noise, one pass over both;
-    below that, the eager race's float32 copies."""
+    engines/sampling.race_compiled) the logits alone, one pass that draws its noise as it
+    goes; below that, the eager race's float32 copies."""
     gpu = cfg.cluster.accelerator == "cuda"
     size = BYTES[cfg.rollout.model.precision] if gpu else 4
     rows = cfg.data.rollout_batch_size * cfg.algorithm.group_size
@@ -284,9 +284,7 @@ def rollout_parts(cfg: GRPOConfig, shape: ModelShape) -> dict[str, int]:
         "activations": min(slots * prompt, PREFILL_TOKENS)
         * size
         * (4 * shape.hidden + 3 * shape.intermediate),
-        "logits": slots
-        * shape.vocab
-        * (size + 4 if gpu and race_compiled(slots, shape.vocab) else 12),
+        "logits": slots * shape.vocab * (size if gpu and race_compiled(slots, shape.vocab) else 12),
     }
 
 

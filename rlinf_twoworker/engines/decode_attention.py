@@ -10,7 +10,8 @@ Two implementations of a decode step's attention:
   which the tests use): a flash-decoding kernel. Each (slot, KV head) is cut into
   `splits` column ranges, one program each; a program reads its range only up to the slot's
   own end (`end[b]`, the column after its newest key), keeps an online softmax in float32 and
-  writes a partial output with its log-sum-exp; a small reduction combines the ranges. A slot
+  writes a partial output with its log-sum-exp; a small reduction combines the ranges (with
+  one range a slot's program writes the output itself, in q's dtype, and no reduction runs). A slot
   half way through its answer thus reads half the columns of one near its end, and no scores
   or probabilities go through memory. A GRPO group's slots read their common prompt columns
   from one slot (`source`), adjacent programs, so the group's prompt comes from memory about
@@ -114,9 +115,24 @@ def _sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+SPLITS_ENV = "RLINF_DECODE_SPLITS"
+"""A positive integer in the rollout process's environment: the column ranges per (slot, KV
+head) instead of splits_for's pick (for A/B measurements; the pick is the default)."""
+
+
 def splits_for(slots: int, kv_heads: int, max_len: int, device: torch.device) -> int:
     """Column ranges per (slot, KV head): enough programs for four per streaming
-    multiprocessor, each range at least BLOCK_N columns."""
+    multiprocessor, each range at least BLOCK_N columns; RLINF_DECODE_SPLITS overrides it.
+    One range needs no reduction: the program writes the output itself."""
+    forced = os.environ.get(SPLITS_ENV, "")
+    if forced:
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(
+                f"decode attention: {SPLITS_ENV}={forced!r} in the rollout process's "
+                "environment is not a positive integer (column ranges per slot and KV head); "
+                "unset it to let the sampler pick"
+            )
+        return int(forced)
     wanted = max(1, math.ceil(4 * _sms(device) / (slots * kv_heads)))
     return max(1, min(wanted, math.ceil(max_len / BLOCK_N)))
 
@@ -181,8 +197,13 @@ def split_kv(
         source = torch.arange(b, device=q.device)
         shared = torch.zeros(1, dtype=torch.long, device=q.device)
     q3 = q.reshape(b, heads, dim)
-    partial = torch.empty(b, kv_heads, splits, GROUP_PAD, dim, device=q.device)
-    lse = torch.empty(b, kv_heads, splits, GROUP_PAD, device=q.device)
+    direct = splits == 1
+    if direct:  # the program's output is the attention's: written once, in q's dtype
+        partial = torch.empty(b, heads, dim, dtype=q.dtype, device=q.device)
+        lse = partial  # not written
+    else:
+        partial = torch.empty(b, kv_heads, splits, GROUP_PAD, dim, device=q.device)
+        lse = torch.empty(b, kv_heads, splits, GROUP_PAD, device=q.device)
     _launcher((b * kv_heads, splits))(
         q3,
         keys,
@@ -211,6 +232,9 @@ def split_kv(
         D=dim,
         # float32 caches (tests' models) multiply in full float32, not TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DIRECT=direct,
     )
+    if direct:
+        return partial.reshape(b, 1, heads * dim)
     out = reduce(partial[:, :, :, :group], lse[:, :, :, :group])
     return out.to(q.dtype).reshape(b, 1, heads * dim)

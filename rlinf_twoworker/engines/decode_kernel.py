@@ -84,6 +84,7 @@ def split_kv_partial(
     D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     slot_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -144,7 +145,17 @@ def split_kv_partial(
     )
     # A range with no valid column (past the slot's end, or all padding) weighs nothing.
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    lse = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
-    row = (slot_head * SPLITS + split) * GROUP_PAD
-    tl.store(OUT + (row + g)[:, None] * D + d[None, :], out)
-    tl.store(LSE + row + g, lse)
+    if DIRECT:
+        # One range per (slot, KV head): its output is the attention's, written in OUT's
+        # dtype where the o projection reads it ([B, H, D]); no log-sum-exp, no reduction.
+        heads = (b * KV + h) * GROUP + g
+        tl.store(
+            OUT + heads[:, None] * D + d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=g[:, None] < GROUP,
+        )
+    else:
+        lse = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        row = (slot_head * SPLITS + split) * GROUP_PAD
+        tl.store(OUT + (row + g)[:, None] * D + d[None, :], out)
+        tl.store(LSE + row + g, lse)

@@ -163,16 +163,39 @@ def exponential_race(logits: torch.Tensor, noise: torch.Tensor, temperature: flo
     shape in float32: argmax(p / E) = argmax(logits / T - log E) ~ Categorical(softmax(logits /
     T)), since log p differs from logits / T by a per-row constant (Gumbel-max in another form),
     so no softmax over the vocabulary is needed. Compiled, it is one pass over the logits and
-    the noise; eagerly, several float32 copies of them."""
+    the noise (drawn_race: the noise drawn in that pass); eagerly, several float32 copies."""
     return (logits.float() / temperature - noise.log()).argmax(-1)
 
 
+EXPONENTIAL_FLOOR = torch.finfo(torch.float32).eps / 2
+"""The least Exponential(1) draw: PyTorch's own exponential_ maps a uniform of 1 to this
+rather than to 0, whose log would make its token win outright."""
+
+
+def drawn_race(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """exponential_race with its Exponential(1) noise drawn here, -log(1 - U) for U uniform in
+    [0, 1) (floored at EXPONENTIAL_FLOOR, as exponential_ floors its draws). Compiled, the
+    draw is made inside the pass over the logits (the compiler's own counter-based random
+    numbers, which a CUDA graph replay advances like any other draw): no float32 noise is
+    written and read back. Eagerly, a uniform tensor first."""
+    u = torch.rand(logits.shape, dtype=torch.float32, device=logits.device)
+    noise = (-torch.log1p(-u)).clamp_min(EXPONENTIAL_FLOOR)
+    return exponential_race(logits, noise, temperature)
+
+
+def eager_race(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """exponential_race with PyTorch's exponential_ noise: the race of the eager kernels and of
+    a sampler whose logits are too few to compile it (engines/sampling.race_compiled)."""
+    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(1)
+    return exponential_race(logits, noise, temperature)
+
+
 def pick_tokens(
-    logits: torch.Tensor, s: SamplingSettings, race: Callable = exponential_race
+    logits: torch.Tensor, s: SamplingSettings, race: Callable = eager_race
 ) -> torch.Tensor:
     """Next token per row from [B, V] logits (greedy, or sampled after top-k / top-p); `race`:
-    exponential_race or its compiled form. Graph-safe (fixed shapes, no host sync), unlike
-    torch.multinomial's host-side checks."""
+    eager_race or the compiled drawn_race, called as race(logits, temperature). Graph-safe
+    (fixed shapes, no host sync), unlike torch.multinomial's host-side checks."""
     if not s.do_sample:
         return logits.argmax(-1)
     temperature = s.temperature
@@ -187,8 +210,7 @@ def pick_tokens(
         drop_sorted = cumulative <= 1 - s.top_p
         drop_sorted[:, -1] = False  # always keep the most likely token
         logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
-    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(1)
-    return race(logits, noise, temperature)
+    return race(logits, temperature)
 
 
 class Kernels(NamedTuple):
@@ -212,11 +234,15 @@ EAGER = Kernels(
     rope_store,
     masked_softmax,
     swiglu,
-    exponential_race,
+    eager_race,
 )
 
 
 def compiled_kernels(backend: str | Callable) -> Kernels:
     """EAGER's functions through torch.compile with fixed shapes (a decode step's never change),
-    but the softmax, whose width is the read width of the step (one kernel for all widths)."""
-    return Kernels(*(torch.compile(k, dynamic=k is masked_softmax, backend=backend) for k in EAGER))
+    but the softmax, whose width is the read width of the step (one kernel for all widths), and
+    the race, compiled as drawn_race (its noise drawn inside the one pass)."""
+    kernels = EAGER._replace(race=drawn_race)
+    return Kernels(
+        *(torch.compile(k, dynamic=k is masked_softmax, backend=backend) for k in kernels)
+    )

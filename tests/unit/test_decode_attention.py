@@ -242,3 +242,20 @@ def test_a_failing_kernel_falls_back_to_the_grouped_product(device, monkeypatch)
         answers = sampler.generate(ids, mask, 12, [-1], 0, greedy)
     assert sampler.attention == "grouped"
     assert torch.equal(answers, expected)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="needs no kernel: runs once, in the main process")
+def test_the_split_count_is_the_sampler_pick_unless_the_environment_names_one(monkeypatch):
+    """RLINF_DECODE_SPLITS replaces splits_for's pick (the benchmarks' A/B of the range count);
+    a value that is not a positive integer is refused by the variable's name."""
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(decode_attention.SPLITS_ENV, raising=False)
+    picked = splits_for(256, 2, 2048, cpu)
+    assert picked == max(1, math.ceil(4 * 4 / (256 * 2)))  # the interpreter's 4 "SMs"
+    assert splits_for(2, 2, 2048, cpu) == 4  # few slots: more ranges
+    monkeypatch.setenv(decode_attention.SPLITS_ENV, "3")
+    assert splits_for(256, 2, 2048, cpu) == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(decode_attention.SPLITS_ENV, bad)
+        with pytest.raises(ValueError, match="RLINF_DECODE_SPLITS"):
+            splits_for(256, 2, 2048, cpu)

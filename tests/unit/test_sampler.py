@@ -170,22 +170,91 @@ def test_top_k_and_top_p_filter_the_tail():
 
 
 def test_the_compiled_race_picks_the_eager_races_tokens():
-    """The decode step samples through the compiled race (one fused pass over the logits and
-    the noise); given the same noise it picks what the eager race picks, at any temperature,
-    with bf16 or float32 logits and with top-k's -inf entries."""
+    """The decode step samples through the compiled race (one fused pass over the logits that
+    draws its noise as it goes); given the same uniform draws (the compiler's fallback to
+    PyTorch's own random numbers) it picks what the eager drawn race picks, at any
+    temperature, with bf16 or float32 logits and with top-k's -inf entries; and the eager
+    drawn race picks what the exponential race picks with that noise."""
+    import torch._inductor.config as inductor_config
+
+    from rlinf_twoworker.engines import static_kernels as sk
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    logits = torch.randn(64, 3000) * 4
+    logits[:, ::3] = float("-inf")  # what a top-k or top-p filter leaves
+    with inductor_config.patch(fallback_random=True):
+        compiled = sk.compiled_kernels("inductor").race
+        for dtype in (torch.bfloat16, torch.float32):
+            for temperature in (1.0, 0.6):
+                torch.manual_seed(7)
+                eager = sk.drawn_race(logits.to(dtype), temperature)
+                torch.manual_seed(7)
+                assert torch.equal(compiled(logits.to(dtype), temperature), eager)
+                assert (eager % 3 != 0).all()  # never an -inf entry
+                torch.manual_seed(7)
+                u = torch.rand(logits.shape)
+                noise = (-torch.log1p(-u)).clamp_min(sk.EXPONENTIAL_FLOOR)
+                assert torch.equal(sk.exponential_race(logits.to(dtype), noise, temperature), eager)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_compiled_race_samples_softmax_of_logits_over_t(temperature):
+    """With the compiler's own random numbers (the default), the compiled race's tokens follow
+    softmax(logits / T): 40,000 rows of one distribution, each token's count within 5 standard
+    deviations of its expectation; and the eager race's alike. A floor of 0 or a reused
+    draw would put a visible share on the least likely token or repeat rows."""
     from rlinf_twoworker.engines import static_kernels as sk
 
     torch._dynamo.reset()
     compiled = sk.compiled_kernels("inductor").race
-    torch.manual_seed(0)
-    logits = torch.randn(64, 3000) * 4
-    logits[:, ::3] = float("-inf")  # what a top-k or top-p filter leaves
-    for dtype in (torch.bfloat16, torch.float32):
-        for temperature in (1.0, 0.6):
-            noise = torch.empty(logits.shape).exponential_(1)
-            eager = sk.exponential_race(logits.to(dtype), noise, temperature)
-            assert torch.equal(compiled(logits.to(dtype), noise, temperature), eager)
-            assert (eager % 3 != 0).all()  # never an -inf entry
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.04, 0.01])
+    rows = 40_000
+    logits = probs.log().repeat(rows, 1).to(torch.bfloat16)
+    want = torch.softmax(logits[0].float() / temperature, -1)
+    for race in (compiled, sk.eager_race):
+        torch.manual_seed(3)
+        counts = torch.bincount(race(logits, temperature), minlength=5).double()
+        sigma = (rows * want * (1 - want)).sqrt()
+        assert ((counts - rows * want).abs() < 5 * sigma).all(), (race, counts / rows, want)
+    first, second = compiled(logits, temperature), compiled(logits, temperature)
+    assert not torch.equal(first, second)  # each call draws afresh
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_the_compiled_race_draws_afresh_at_every_cuda_graph_replay():
+    """A decode step's race runs inside a captured CUDA graph: each replay must draw new noise
+    (two replays over the same logits pick different tokens) from the right distribution."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from rlinf_twoworker.engines import static_kernels as sk
+
+    torch._dynamo.reset()
+    compiled = sk.compiled_kernels("inductor").race
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.04, 0.01])
+    rows = 40_000
+    logits = probs.log().repeat(rows, 1).to(torch.bfloat16).cuda()
+    out = torch.zeros(rows, dtype=torch.long, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out.copy_(compiled(logits, 1.0))  # compiles and warms up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(compiled(logits, 1.0))
+    picks = []
+    for _ in range(2):
+        graph.replay()
+        picks.append(out.clone().cpu())
+    assert not torch.equal(picks[0], picks[1])
+    sigma = (rows * probs * (1 - probs)).sqrt()
+    for tokens in picks:
+        counts = torch.bincount(tokens, minlength=5).double()
+        assert ((counts - rows * probs).abs() < 5 * sigma).all(), counts / rows
+    torch._dynamo.reset()
 
 
 def test_the_race_is_compiled_only_where_the_logits_are_many(tiny, monkeypatch):
@@ -199,13 +268,13 @@ def test_the_race_is_compiled_only_where_the_logits_are_many(tiny, monkeypatch):
     vocab = model.lm_head.weight.shape[0]
     assert not sampling.race_compiled(2, vocab)
     assert StaticSampler(model, 2, 16, compiled=True, backend="eager").kernels.race is (
-        sk.exponential_race
+        sk.eager_race
     )
     monkeypatch.setattr(sampling, "RACE_COMPILED_FROM", 2 * vocab)
     assert sampling.race_compiled(2, vocab) and not sampling.race_compiled(1, vocab)
     compiled = StaticSampler(model, 2, 16, compiled=True, backend="eager")
-    assert compiled.kernels.race is not sk.exponential_race
-    assert StaticSampler(model, 2, 16, compiled=False).kernels.race is sk.exponential_race
+    assert compiled.kernels.race is not sk.eager_race
+    assert StaticSampler(model, 2, 16, compiled=False).kernels.race is sk.eager_race
 
 
 def test_llama_without_projection_biases_matches_generate():
