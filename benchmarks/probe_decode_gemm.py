@@ -10,7 +10,9 @@ timed, replayed from a CUDA graph of 20 calls so no launch gap counts, as
 
 - `linear`: F.linear(x, W), the sampler's call;
 - `swapped`: (W @ x.T).T made contiguous: the same dot products with the operands' roles
-  exchanged, so cuBLAS sees a [N, K] x [K, rows] product and picks its kernel for that shape.
+  exchanged, so cuBLAS sees a [N, K] x [K, rows] product and picks its kernel for that shape;
+- `split2`: K cut in two halves, one batched product of both (twice the output tiles, for a
+  product like the down projection's whose output alone gives too few), summed in float32.
 
 For each: microseconds a call, the weight bytes over that time (the bound at this many rows is
 reading the weights once), and how many outputs differ from `linear`'s (bf16: a different
@@ -39,6 +41,17 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
 
 def _swapped(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     y = torch.mm(w, x.t()).t().contiguous()
+    return y if b is None else y + b
+
+
+def _split2(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """Split-K in two: the two halves of K as one batched product (twice the output tiles
+    for the GPU's SMs), their float32 sum cast back."""
+    rows, k = x.shape
+    half = k // 2
+    xs = x.view(rows, 2, half).transpose(0, 1)  # [2, rows, K/2]
+    ws = w.view(w.shape[0], 2, half).permute(1, 2, 0)  # [2, K/2, N]
+    y = torch.bmm(xs, ws).float().sum(0).to(x.dtype)
     return y if b is None else y + b
 
 
@@ -74,14 +87,14 @@ def main() -> None:
     torch.manual_seed(0)
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, rows {args.rows}")
-    total = {"linear": 0.0, "swapped": 0.0}
+    total = {"linear": 0.0, "swapped": 0.0, "split2": 0.0}
     for name, (k, n, bias) in SHAPES.items():
         x = torch.randn(args.rows, k, device=dev, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
         b = torch.randn(n, device=dev, dtype=torch.bfloat16) if bias else None
         ref = _linear(x, w, b)
         per_step = 1 if name == "head" else 28
-        for label, fn in (("linear", _linear), ("swapped", _swapped)):
+        for label, fn in (("linear", _linear), ("swapped", _swapped), ("split2", _split2)):
             us = _time(fn, x, w, b, args.iters)
             differ = int((fn(x, w, b) != ref).sum())
             total[label] += us * per_step
