@@ -19,9 +19,9 @@ class SamplingSettings:
 RACE_COMPILED_FROM = 2**22
 """Logit entries of a decode step (slots x vocabulary) from which the static sampler compiles its
 sampling race into one pass over the logits that draws its noise as it goes
-(static_kernels.drawn_race). Below it the eager race's float32 copies cost little (16 slots of a 151936-entry vocabulary:
-about 0.1 GB of memory traffic a step, tens of microseconds on an H200), less than compiling one
-more kernel adds to the first step."""
+(static_kernels.drawn_race). Below it the eager race's float32 copies cost little (16 slots of a
+151936-entry vocabulary: about 0.1 GB of memory traffic a step, tens of microseconds on an
+H200), less than compiling one more kernel adds to the first step."""
 
 
 def race_compiled(slots: int, vocab: int) -> bool:
