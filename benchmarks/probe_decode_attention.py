@@ -210,7 +210,11 @@ def part3() -> str:
 
 def part4(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
     from rlinf_twoworker.engines.static import SamplingSettings, StaticSampler
-    from rlinf_twoworker.engines.static_kernels import eager_race, exponential_race
+    from rlinf_twoworker.engines.static_kernels import (
+        eager_race,
+        exponential_noise,
+        exponential_race,
+    )
 
     model = _model()
     settings = SamplingSettings()
@@ -223,8 +227,7 @@ def part4(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
         fused = torch.compile(exponential_race)
 
         def given(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-            noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-            return fused(logits, noise.exponential_(1), temperature)
+            return fused(logits, exponential_noise(logits), temperature)
 
         races = {"compiled": compiled.race, "given": given, "eager": eager_race}
         for race in ["compiled", "given", "eager"] * repeats:

@@ -183,11 +183,15 @@ def drawn_race(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return exponential_race(logits, noise, temperature)
 
 
+def exponential_noise(logits: torch.Tensor) -> torch.Tensor:
+    """Exponential(1) noise in float32 for `logits`, from PyTorch's exponential_."""
+    return torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(1)
+
+
 def eager_race(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """exponential_race with PyTorch's exponential_ noise: the race of the eager kernels and of
     a sampler whose logits are too few to compile it (engines/sampling.race_compiled)."""
-    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(1)
-    return exponential_race(logits, noise, temperature)
+    return exponential_race(logits, exponential_noise(logits), temperature)
 
 
 def pick_tokens(

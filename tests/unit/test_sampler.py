@@ -215,9 +215,7 @@ def test_the_compiled_race_samples_softmax_of_logits_over_t(temperature):
     want = torch.softmax(logits[0].float() / temperature, -1)
     for race in (compiled, sk.eager_race):
         torch.manual_seed(3)
-        counts = torch.bincount(race(logits, temperature), minlength=5).double()
-        sigma = (rows * want * (1 - want)).sqrt()
-        assert ((counts - rows * want).abs() < 5 * sigma).all(), (race, counts / rows, want)
+        _assert_within_5_sigma(race(logits, temperature), want)
     first, second = compiled(logits, temperature), compiled(logits, temperature)
     assert not torch.equal(first, second)  # each call draws afresh
     torch._dynamo.reset()
@@ -250,11 +248,18 @@ def test_the_compiled_race_draws_afresh_at_every_cuda_graph_replay():
         graph.replay()
         picks.append(out.clone().cpu())
     assert not torch.equal(picks[0], picks[1])
-    sigma = (rows * probs * (1 - probs)).sqrt()
     for tokens in picks:
-        counts = torch.bincount(tokens, minlength=5).double()
-        assert ((counts - rows * probs).abs() < 5 * sigma).all(), counts / rows
+        _assert_within_5_sigma(tokens, probs)
     torch._dynamo.reset()
+
+
+def _assert_within_5_sigma(tokens: torch.Tensor, want: torch.Tensor) -> None:
+    """Each token's count among `tokens` (one draw a row, every row from `want`) within 5
+    binomial standard deviations of its expectation."""
+    rows, want = len(tokens), want.double()
+    counts = torch.bincount(tokens.cpu(), minlength=len(want)).double()
+    sigma = (rows * want * (1 - want)).sqrt()
+    assert ((counts - rows * want).abs() < 5 * sigma).all(), (counts / rows, want)
 
 
 def test_the_race_is_compiled_only_where_the_logits_are_many(tiny, monkeypatch):
