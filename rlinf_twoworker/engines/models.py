@@ -503,11 +503,23 @@ def response_logprobs(
     return _logprobs(model, batch, fused, temperature, with_entropy, many_shapes=False)
 
 
+PACK_ENV = "RLINF_PACK_LEFT"
+
+
 def packs_left() -> bool:
     """Whether the log-prob and update forwards move each row's padding after its real tokens
-    and attend causally with no mask (`_packed_logprobs`): RLINF_PACK_LEFT=1, for the
-    benchmarks' A/B (off until it measures faster on a GPU)."""
-    return os.environ.get("RLINF_PACK_LEFT", "0") == "1"
+    and attend causally with no mask (`_packed_logprobs`). On by default: the actor_step
+    benchmark's update (32 left-padded rows of 2,048 tokens, 57,664 of them real) took 11%
+    less time packed on an H100 (1.48 against 1.67 s, alternated twice) and 2 GiB less memory.
+    PACK_ENV=0 in the actor's and inference's environment turns it off (for an A/B)."""
+    value = os.environ.get(PACK_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"{PACK_ENV}={value!r} in the environment of process {os.getpid()}: it takes 1 (pack"
+            " each row's padding after its tokens, the default) or 0 (masked, left-padded rows);"
+            " set one of them or unset it"
+        )
+    return value == "1"
 
 
 def _packed_logprobs(

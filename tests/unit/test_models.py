@@ -70,9 +70,14 @@ def _plain_call_logprobs(model, batch):
     return logits[:, p - 1 : -1].log_softmax(-1).gather(-1, batch.responses.unsqueeze(-1))[..., 0]
 
 
-def test_response_logprobs_line_up_with_the_response_tokens(model):
+@pytest.mark.parametrize(("packed", "head"), [("0", 7), ("1", 12)])
+def test_response_logprobs_line_up_with_the_response_tokens(model, monkeypatch, packed, head):
     """Row b, column t is log p(response[b, t] | everything before it), on left-padded rows;
-    the output head runs only on the positions that predict an answer token."""
+    the output head runs only on positions that predict an answer token, not on all 22.
+    Masked: the last prompt position and the answer's (7). Packed (each row's padding moved
+    after its tokens, the default): the answer's 6 positions, widened by the spread of the
+    rows' left padding (13 - 7), as the rows' answers now start in different columns."""
+    monkeypatch.setenv("RLINF_PACK_LEFT", packed)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 60, (n,), generator=generator).tolist() for n in (5, 9, 3)]
     ids, mask = left_pad(prompts, pad_id=0, width=16)
@@ -90,7 +95,7 @@ def test_response_logprobs_line_up_with_the_response_tokens(model):
         finally:
             hook.remove()
     assert got.shape == (3, 6)
-    assert head_rows == [7]  # the last prompt position and the answer's: not the whole 22
+    assert head_rows == [head]  # not the whole 22
     torch.testing.assert_close(got * resp, expected * resp, rtol=1e-5, atol=1e-5)
 
 
@@ -495,7 +500,7 @@ def _without_logits_to_keep(model):
 def test_rows_packed_left_give_the_same_logprobs_and_gradients(
     tmp_path, monkeypatch, trim, with_entropy, head
 ):
-    """RLINF_PACK_LEFT=1: each row's padding moved after its real tokens, plain causal
+    """Packed (the default; RLINF_PACK_LEFT=0 turns it off): each row's padding moved after its real tokens, plain causal
     attention with no mask, the output head on the positions that predict some row's answer
     and each row's log-probs read from where its answer lies. Prompts of 1-8 tokens
     left-padded to 8 and answers of 4-16 tokens: the log-probs (and entropies) of the answer
@@ -608,3 +613,19 @@ def test_run_or_eager_redoes_a_compiler_failure_eagerly_and_nothing_else():
     with pytest.raises(ValueError, match="shapes do not match"):
         run_or_eager(model_error, True, lambda: calls.append("eager"), "x", "y")
     assert calls == ["run"]
+
+
+@pytest.mark.parametrize(("value", "packed"), [(None, True), ("1", True), ("0", False)])
+def test_rows_are_packed_unless_the_environment_says_0(monkeypatch, value, packed):
+    """Packing is the default; RLINF_PACK_LEFT=0 turns it off, and any other value is refused
+    by name instead of read as one of the two."""
+    from rlinf_twoworker.engines.models import PACK_ENV, packs_left
+
+    if value is None:
+        monkeypatch.delenv(PACK_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PACK_ENV, value)
+    assert packs_left() is packed
+    monkeypatch.setenv(PACK_ENV, "yes")
+    with pytest.raises(ValueError, match="RLINF_PACK_LEFT='yes'"):
+        packs_left()
