@@ -508,15 +508,16 @@ PACK_ENV = "RLINF_PACK_LEFT"
 
 def packs_left() -> bool:
     """Whether the log-prob and update forwards move each row's padding after its real tokens
-    and attend causally with no mask (`_packed_logprobs`). On by default: the actor_step
-    benchmark's update (32 left-padded rows of 2,048 tokens, 57,664 of them real) took 11%
-    less time packed on an H100 (1.48 against 1.67 s, alternated twice) and 2 GiB less memory.
-    PACK_ENV=0 in the actor's and inference's environment turns it off (for an A/B)."""
-    value = os.environ.get(PACK_ENV, "1")
+    and attend causally with no mask (`_packed_logprobs`): PACK_ENV=1 in the actor's and
+    inference's environment. Off by default: on H100s the actor_step benchmark's update (32
+    left-padded rows of 2,048 tokens) took 11% less time packed (1.45 against 1.64 s,
+    alternated twice), but the whole 32 x 8 @ 2048 step took 35.5 s packed against 31.3 s
+    unpacked (one call each, two hosts), with no stage times to say where."""
+    value = os.environ.get(PACK_ENV, "0")
     if value not in ("0", "1"):
         raise ValueError(
             f"{PACK_ENV}={value!r} in the environment of process {os.getpid()}: it takes 1 (pack"
-            " each row's padding after its tokens, the default) or 0 (masked, left-padded rows);"
+            " each row's padding after its tokens) or 0 (masked, left-padded rows: the default);"
             " set one of them or unset it"
         )
     return value == "1"

@@ -75,7 +75,7 @@ def test_response_logprobs_line_up_with_the_response_tokens(model, monkeypatch, 
     """Row b, column t is log p(response[b, t] | everything before it), on left-padded rows;
     the output head runs only on positions that predict an answer token, not on all 22.
     Masked: the last prompt position and the answer's (7). Packed (each row's padding moved
-    after its tokens, the default): the answer's 6 positions, widened by the spread of the
+    after its tokens, RLINF_PACK_LEFT=1): the answer's 6 positions, widened by the spread of the
     rows' left padding (13 - 7), as the rows' answers now start in different columns."""
     monkeypatch.setenv("RLINF_PACK_LEFT", packed)
     generator = torch.Generator().manual_seed(0)
@@ -500,7 +500,7 @@ def _without_logits_to_keep(model):
 def test_rows_packed_left_give_the_same_logprobs_and_gradients(
     tmp_path, monkeypatch, trim, with_entropy, head
 ):
-    """Packed (the default; RLINF_PACK_LEFT=0 turns it off): each row's padding moved after its real tokens, plain causal
+    """Packed (RLINF_PACK_LEFT=1): each row's padding moved after its real tokens, plain causal
     attention with no mask, the output head on the positions that predict some row's answer
     and each row's log-probs read from where its answer lies. Prompts of 1-8 tokens
     left-padded to 8 and answers of 4-16 tokens: the log-probs (and entropies) of the answer
@@ -615,10 +615,10 @@ def test_run_or_eager_redoes_a_compiler_failure_eagerly_and_nothing_else():
     assert calls == ["run"]
 
 
-@pytest.mark.parametrize(("value", "packed"), [(None, True), ("1", True), ("0", False)])
-def test_rows_are_packed_unless_the_environment_says_0(monkeypatch, value, packed):
-    """Packing is the default; RLINF_PACK_LEFT=0 turns it off, and any other value is refused
-    by name instead of read as one of the two."""
+@pytest.mark.parametrize(("value", "packed"), [(None, False), ("1", True), ("0", False)])
+def test_rows_are_packed_only_when_the_environment_says_1(monkeypatch, value, packed):
+    """Rows are packed with RLINF_PACK_LEFT=1 only (the masked form is the default), and any
+    other value than 0 or 1 is refused by name instead of read as one of the two."""
     from rlinf_twoworker.engines.models import PACK_ENV, packs_left
 
     if value is None:
