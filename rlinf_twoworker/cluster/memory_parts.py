@@ -50,9 +50,8 @@ ACTIVATIONS_EAGER = (16, 6)
 LOGIT_BYTES_TRAIN = 5
 """Bytes per (token, vocabulary entry) of the actor's logits, log-softmax and their gradient.
 Counted over every token of a micro-batch: an upper bound, since the output head makes logits
-only at the positions that predict answer tokens (engines/models.response_logprobs; with packed
-rows, those of every row, widened by the spread of the rows' left padding), and a micro-batch's
-prompt columns can be as few as one (a batch's prompts pad to its longest)."""
+only at the positions that predict answer tokens (engines/models.response_logprobs), and a
+micro-batch's prompt columns can be as few as one (a batch's prompts pad to its longest)."""
 LOGIT_BYTES_FORWARD = 2
 """The same for a forward without gradients: the bf16 logits (the log-softmax runs in chunks)."""
 

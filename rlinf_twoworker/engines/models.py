@@ -524,15 +524,22 @@ def packs_left() -> bool:
 
 
 def _packed_logprobs(
-    model: Any, batch: SequenceBatch, fused: bool, temperature: float, with_entropy: bool
+    model: Any,
+    head: Any,
+    batch: SequenceBatch,
+    fused: bool,
+    temperature: float,
+    with_entropy: bool,
+    many_shapes: bool,
 ) -> Any:
     """`_logprobs` with every row's tokens moved left by its prompt padding, so the padding
     follows the real tokens: plain causal attention then never lets a real token see
     padding, and the model gets no mask (SDPA's causal kernels, which skip the blocks above
     the diagonal, instead of a [B, 1, W, W] mask that every block reads). Positions count
-    real tokens as before. The output head runs on the positions that predict some row's
-    answer (transformers' `logits_to_keep` as indices; rows whose padding differs widen them
-    by the difference), and each row's log-probs are read from where its answer now lies."""
+    real tokens as before. The output head `head` gets, of each row, only the positions that
+    predict its answer tokens (`_head_reads`), so the logits are [B, answer width, vocab] as
+    the masked forward's, whatever the rows' padding, and the log-softmax runs on the same
+    shapes."""
     from rlinf_twoworker.algorithm import token_logprobs
 
     p = batch.prompt_length
@@ -540,31 +547,42 @@ def _packed_logprobs(
     columns = torch.arange(width, device=batch.input_ids.device)
     lead = (batch.attention_mask[:, :p] == 0).sum(1)  # each row's left padding
     ids = batch.input_ids.gather(1, (columns[None, :] + lead[:, None]) % width)
-    # Row i's answer token j is predicted at position p - lead_i - 1 + j: the positions
-    # [begin, end) cover every row's (the rows with the most and the least padding bound them).
-    begin, end = p - 1 - int(lead.max()), width - 1 - int(lead.min())
-    kept = torch.arange(begin, end, device=ids.device)
-    keep = {"logits_to_keep": kept} if keeps_logits(model) else {}
-    logits = model(
-        input_ids=ids,
-        attention_mask=None,
-        position_ids=columns.expand(rows, width),
-        use_cache=False,
-        **keep,
-    ).logits
-    out = token_logprobs(
-        logits if keep else logits[:, begin:end],
-        ids[:, begin + 1 : end + 1],
+    # Row i's answer token j now lies at column p - lead_i + j, predicted at the one before.
+    answer = torch.arange(width - p, device=ids.device)
+    where = (p - 1 - lead)[:, None] + answer[None, :]
+    with _head_reads(head, where):
+        logits = model(
+            input_ids=ids,
+            attention_mask=None,
+            position_ids=columns.expand(rows, width),
+            use_cache=False,
+        ).logits
+    return token_logprobs(
+        logits,
+        batch.input_ids[:, p:],
         fused=fused,
         temperature=temperature,
         with_entropy=with_entropy,
-        many_shapes=True,  # the kept width changes with the batch's padding
+        many_shapes=many_shapes,
     )
-    answer = torch.arange(width - p, device=ids.device)
-    where = (p - 1 - lead - begin)[:, None] + answer[None, :]
-    if isinstance(out, tuple):  # with_entropy
-        return out[0].gather(1, where), out[1].gather(1, where)
-    return out.gather(1, where)
+
+
+@contextlib.contextmanager
+def _head_reads(head: torch.nn.Module, where: torch.Tensor) -> Iterator[None]:
+    """While open, `head` (a model's output embeddings) reads of its input [B, W, hidden] only
+    the positions `where` [B, K] of each row: its output is [B, K, vocab], and the gradient
+    flows back to those positions."""
+
+    def pick(_module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden = args[0]
+        index = where[:, :, None].expand(-1, -1, hidden.shape[-1])
+        return (hidden.gather(1, index), *args[1:])
+
+    handle = head.register_forward_pre_hook(pick)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _logprobs(
@@ -580,8 +598,9 @@ def _logprobs(
     # A model that windows its attention gets the 2-D mask: transformers builds its windowed
     # masks from it, and a 4-D one (or none, packed) would replace them.
     windowed = windows_attention(model)
-    if packs_left() and not windowed:
-        return _packed_logprobs(model, batch, fused, temperature, with_entropy)
+    head = model.get_output_embeddings() if packs_left() and not windowed else None
+    if head is not None:
+        return _packed_logprobs(model, head, batch, fused, temperature, with_entropy, many_shapes)
     p = batch.prompt_length
     if windowed:
         mask = batch.attention_mask

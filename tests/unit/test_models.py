@@ -70,13 +70,14 @@ def _plain_call_logprobs(model, batch):
     return logits[:, p - 1 : -1].log_softmax(-1).gather(-1, batch.responses.unsqueeze(-1))[..., 0]
 
 
-@pytest.mark.parametrize(("packed", "head"), [("0", 7), ("1", 12)])
+@pytest.mark.parametrize(("packed", "head"), [("0", 7), ("1", 6)])
 def test_response_logprobs_line_up_with_the_response_tokens(model, monkeypatch, packed, head):
     """Row b, column t is log p(response[b, t] | everything before it), on left-padded rows;
     the output head runs only on positions that predict an answer token, not on all 22.
-    Masked: the last prompt position and the answer's (7). Packed (each row's padding moved
-    after its tokens, RLINF_PACK_LEFT=1): the answer's 6 positions, widened by the spread of the
-    rows' left padding (13 - 7), as the rows' answers now start in different columns."""
+    Masked: the last prompt position and the answer's (7, the last one's logits dropped).
+    Packed (each row's padding moved after its tokens, RLINF_PACK_LEFT=1): the 6 that predict
+    the answer's tokens, picked row by row, though the rows' answers now start in different
+    columns."""
     monkeypatch.setenv("RLINF_PACK_LEFT", packed)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 60, (n,), generator=generator).tolist() for n in (5, 9, 3)]
@@ -473,6 +474,46 @@ def test_a_micro_batch_without_padding_runs_through_the_warm_ups_graphs(tmp_path
     for cut, out in compiled[-len(whole) :]:
         mask = step.response_mask[cut].bool()
         torch.testing.assert_close(out[mask], eager[cut][mask], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("packed", ["0", "1"])
+def test_rows_of_any_padding_run_through_the_warm_ups_graphs(tmp_path, monkeypatch, packed):
+    """After the warm-up's full-length rows (no padding), steps whose rows' prompts are padded
+    by different amounts compile nothing more, masked or packed: packed, each row's answer
+    starts in another column, and the output head and the log-softmax still get the shapes
+    (and the labels' layout) of the warm-up, not a width that follows the rows' padding."""
+    from torch._dynamo.utils import counters
+
+    from rlinf_twoworker.engines.models import compile_layers
+    from rlinf_twoworker.run.warmup import full_length_batch
+
+    class Shape:  # what full_length_batch reads of a config
+        class data:
+            max_prompt_length = 8
+
+        max_new_tokens = 16
+
+    monkeypatch.setenv("RLINF_PACK_LEFT", packed)
+    rule = MicroBatchRule(least=1, tokens=48)
+    warm = full_length_batch(Shape, 6)
+    warm = SequenceBatch(
+        torch.randint(3, 60, warm.input_ids.shape), warm.attention_mask, warm.response_mask, 8
+    )
+    answers = (16, 9, 16, 12, 16, 16)
+    steps = [varied_batch((8, 3, 5, 1, 8, 2), answers, 8, 16)]
+    steps.append(varied_batch((2, 3, 7, 1, 4, 2), answers, 8, 16))
+    model = load_causal_lm(make_inputs(tmp_path).model_path, torch.float32, torch.device("cpu"))
+    torch._dynamo.reset()
+    counters.clear()
+    compile_layers(model, True, many_shapes=False)
+    graphs = []
+    for batch in (warm, *steps):
+        for cut in micro_batches(batch, rule, 0):
+            part = batch.rows(cut)
+            out = response_logprobs(model, part, fused=True)
+            (out * part.response_mask).sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [2, 2, 2]  # the layer and the log-softmax kernel, both in the warm-up
 
 
 def _without_logits_to_keep(model):
