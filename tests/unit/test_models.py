@@ -343,6 +343,23 @@ def test_inference_gives_the_same_logprobs_in_row_order_with_the_length_aware_cu
     torch.testing.assert_close(out[4], out[0], rtol=1e-5, atol=1e-5)
 
 
+def _warm_up_batch() -> SequenceBatch:
+    """The warm-up's rows (run/warmup.full_length_batch: 6 rows, prompts of 8 tokens and
+    answers of 16, no padding) with random tokens in them."""
+    from rlinf_twoworker.run.warmup import full_length_batch
+
+    class Shape:  # what full_length_batch reads of a config
+        class data:
+            max_prompt_length = 8
+
+        max_new_tokens = 16
+
+    warm = full_length_batch(Shape, 6)
+    return SequenceBatch(
+        torch.randint(3, 60, warm.input_ids.shape), warm.attention_mask, warm.response_mask, 8
+    )
+
+
 def test_marked_layers_compile_once_for_the_length_aware_cuts_shapes(tmp_path):
     """compile_layers(many_shapes=True) and the trimmed forward's fused log-softmax: the
     length-aware cut's micro-batches (several rows and widths) run through one compiled graph
@@ -388,7 +405,6 @@ def test_a_step_with_one_row_over_compiles_nothing_the_warm_up_did_not(tmp_path)
     from torch._dynamo.utils import counters
 
     from rlinf_twoworker.engines.models import compile_layers
-    from rlinf_twoworker.run.warmup import full_length_batch
 
     rule = MicroBatchRule(least=1, tokens=48)  # 3 rows at the step's trimmed width, 16
     step = varied_batch((3,) * 7, (12,) * 7, 8, 16)
@@ -405,16 +421,7 @@ def test_a_step_with_one_row_over_compiles_nothing_the_warm_up_did_not(tmp_path)
         begin, end = kept_columns(min(first[i] for i in rows), max(last[i] for i in rows), 8, 24, 8)
         assert len(rows) * (end - begin) <= rule.tokens
 
-    class Shape:  # what full_length_batch reads of a config
-        class data:
-            max_prompt_length = 8
-
-        max_new_tokens = 16
-
-    warm = full_length_batch(Shape, 6)
-    warm = SequenceBatch(
-        torch.randint(3, 60, warm.input_ids.shape), warm.attention_mask, warm.response_mask, 8
-    )
+    warm = _warm_up_batch()
     model = load_causal_lm(make_inputs(tmp_path).model_path, torch.float32, torch.device("cpu"))
     torch._dynamo.reset()
     counters.clear()
@@ -438,19 +445,9 @@ def test_a_micro_batch_without_padding_runs_through_the_warm_ups_graphs(tmp_path
     from torch._dynamo.utils import counters
 
     from rlinf_twoworker.engines.models import compile_layers
-    from rlinf_twoworker.run.warmup import full_length_batch
-
-    class Shape:  # what full_length_batch reads of a config
-        class data:
-            max_prompt_length = 8
-
-        max_new_tokens = 16
 
     rule = MicroBatchRule(least=1, tokens=48)
-    warm = full_length_batch(Shape, 6)
-    warm = SequenceBatch(
-        torch.randint(3, 60, warm.input_ids.shape), warm.attention_mask, warm.response_mask, 8
-    )
+    warm = _warm_up_batch()
     step = varied_batch((8,) * 6, (16, 9, 16, 12, 16, 16), 8, 16)
     whole = [
         bool(step.rows(c).trimmed(8)[0].attention_mask.all()) for c in micro_batches(step, rule, 8)
@@ -485,20 +482,10 @@ def test_rows_of_any_padding_run_through_the_warm_ups_graphs(tmp_path, monkeypat
     from torch._dynamo.utils import counters
 
     from rlinf_twoworker.engines.models import compile_layers
-    from rlinf_twoworker.run.warmup import full_length_batch
-
-    class Shape:  # what full_length_batch reads of a config
-        class data:
-            max_prompt_length = 8
-
-        max_new_tokens = 16
 
     monkeypatch.setenv("RLINF_PACK_LEFT", packed)
     rule = MicroBatchRule(least=1, tokens=48)
-    warm = full_length_batch(Shape, 6)
-    warm = SequenceBatch(
-        torch.randint(3, 60, warm.input_ids.shape), warm.attention_mask, warm.response_mask, 8
-    )
+    warm = _warm_up_batch()
     answers = (16, 9, 16, 12, 16, 16)
     steps = [varied_batch((8, 3, 5, 1, 8, 2), answers, 8, 16)]
     steps.append(varied_batch((2, 3, 7, 1, 4, 2), answers, 8, 16))
@@ -542,8 +529,8 @@ def test_rows_packed_left_give_the_same_logprobs_and_gradients(
     tmp_path, monkeypatch, trim, with_entropy, head
 ):
     """Packed (RLINF_PACK_LEFT=1): each row's padding moved after its real tokens, plain causal
-    attention with no mask, the output head on the positions that predict some row's answer
-    and each row's log-probs read from where its answer lies. Prompts of 1-8 tokens
+    attention with no mask, the output head reading of each row the positions that predict
+    its answer. Prompts of 1-8 tokens
     left-padded to 8 and answers of 4-16 tokens: the log-probs (and entropies) of the answer
     tokens and every gradient equal the masked forward's, full width and trimmed, with the
     head on the kept positions and (a model without logits_to_keep) on all."""
