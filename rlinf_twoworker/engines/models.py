@@ -508,17 +508,17 @@ PACK_ENV = "RLINF_PACK_LEFT"
 
 def packs_left() -> bool:
     """Whether the log-prob and update forwards move each row's padding after its real tokens
-    and attend causally with no mask (`_packed_logprobs`): PACK_ENV=1 in the actor's and
-    inference's environment. Off by default: on H100s the actor_step benchmark's update (32
-    left-padded rows of 2,048 tokens) took 11% less time packed (1.45 against 1.64 s,
-    alternated twice), but the whole 32 x 8 @ 2048 step took 35.5 s packed against 31.3 s
-    unpacked (one call each, two hosts), with no stage times to say where."""
-    value = os.environ.get(PACK_ENV, "0")
+    and attend causally with no mask (`_packed_logprobs`): the default; PACK_ENV=0 in the
+    actor's and inference's environment keeps the masked, left-padded rows. Measured on one
+    H100 at 025fbbb, the scale benchmark's 32 x 8 @ 2048 step, alternated 0, 1, 1, 0 on one
+    machine: 29.8 and 31.4 s packed against 33.4 and 32.9 s masked (inference 3.29-3.31
+    against 3.76-3.78 s, the actor's update 16.9-18.5 against 19.6-20.1 s)."""
+    value = os.environ.get(PACK_ENV, "1")
     if value not in ("0", "1"):
         raise ValueError(
             f"{PACK_ENV}={value!r} in the environment of process {os.getpid()}: it takes 1 (pack"
-            " each row's padding after its tokens) or 0 (masked, left-padded rows: the default);"
-            " set one of them or unset it"
+            " each row's padding after its tokens: the default) or 0 (masked, left-padded"
+            " rows); set one of them or unset it"
         )
     return value == "1"
 

@@ -643,10 +643,10 @@ def test_run_or_eager_redoes_a_compiler_failure_eagerly_and_nothing_else():
     assert calls == ["run"]
 
 
-@pytest.mark.parametrize(("value", "packed"), [(None, False), ("1", True), ("0", False)])
-def test_rows_are_packed_only_when_the_environment_says_1(monkeypatch, value, packed):
-    """Rows are packed with RLINF_PACK_LEFT=1 only (the masked form is the default), and any
-    other value than 0 or 1 is refused by name instead of read as one of the two."""
+@pytest.mark.parametrize(("value", "packed"), [(None, True), ("1", True), ("0", False)])
+def test_rows_are_packed_unless_the_environment_says_0(monkeypatch, value, packed):
+    """Rows are packed by default and with RLINF_PACK_LEFT=1, masked with RLINF_PACK_LEFT=0,
+    and any other value than 0 or 1 is refused by name instead of read as one of the two."""
     from rlinf_twoworker.engines.models import PACK_ENV, packs_left
 
     if value is None:
