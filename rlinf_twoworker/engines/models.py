@@ -190,7 +190,8 @@ class SequenceBatch:
         return self.input_ids.shape[0]
 
     def model_attention_mask(self, compiled: bool = False) -> torch.Tensor:
-        """The attention mask the log-prob and update forwards give the model. Where a row
+        """The attention mask the log-prob and update forwards give the model in the masked
+        form (RLINF_PACK_LEFT=0: packs_left; packed rows get none). Where a row
         begins with padding, its padding positions attend to no key (every key before them
         is padding too): fully masked query rows, whose attention gradient PyTorch's
         memory-efficient SDPA kernel can make NaN on GPUs for some mask layouts (seen on an
