@@ -68,46 +68,20 @@ from rlinf_twoworker.engines.static_kernels import (
     penalize_repeats,
     pick_tokens,
 )
+from rlinf_twoworker.engines.static_support import unsupported_reason_of, window_of
 from rlinf_twoworker.errors import TwoWorkerError
-
-SUPPORTED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
-QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-"""Architectures that slide a window only with use_sliding_window, from max_window_layers on."""
 
 
 def sliding_window(model: Any) -> int | None:
-    """The attention window the model's own forward applies in some layer (None: none). Mistral
-    slides in every layer when `sliding_window` is set; Qwen2 and Qwen3 only with
-    `use_sliding_window`, in the layers from `max_window_layers` on (or as their `layer_types`
-    list says)."""
-    cfg = model.config
-    window: int | None = getattr(cfg, "sliding_window", None)
-    if window is None or type(model).__name__ not in QWEN_WINDOWS:
-        return window
-    if not getattr(cfg, "use_sliding_window", False):
-        return None
-    layer_types = getattr(cfg, "layer_types", None) or [
-        "sliding_attention" if i >= cfg.max_window_layers else "full_attention"
-        for i in range(cfg.num_hidden_layers)
-    ]
-    return window if "sliding_attention" in layer_types else None
+    """The attention window `model`'s own forward applies in some layer (None: none;
+    static_support.window_of)."""
+    return window_of(type(model).__name__, model.config)
 
 
 def unsupported_reason(model: Any, max_len: int) -> str | None:
     """Why the static sampler cannot run `model` over `max_len` tokens (prompt + answer), or
-    None when it can."""
-    name = type(model).__name__
-    if name not in SUPPORTED:
-        return f"{name} is not one of the static sampler's architectures {SUPPORTED}"
-    window = sliding_window(model)
-    if window is not None and window < max_len:
-        # The sampler attends over the whole cache; the model would not, past the window.
-        return (
-            f"{name} attends through a sliding window of {window} tokens (config sliding_window), "
-            f"shorter than the {max_len} prompt + answer tokens, and the static sampler "
-            "implements full attention only"
-        )
-    return None
+    None when it can (static_support.unsupported_reason_of)."""
+    return unsupported_reason_of(type(model).__name__, model.config, max_len)
 
 
 def supports(model: Any, max_len: int) -> bool:

@@ -156,7 +156,20 @@ def test_each_part_matches_the_hand_computed_size(tiny):
     assert mparts.rollout_parts(cfg, wide)["logits"] == 16 * 2**22 * 2
     inference = mparts.logprob_parts(cfg, shape, "bf16")
     assert inference["weights"] == PARAMS * 2
-    assert inference["logits"] == 16 * 1024 * 64 * mparts.LOGIT_BYTES_FORWARD  # all 16 rows fit
+    # All 16 rows fit; the head makes logits only at the 768 columns that predict answer
+    # tokens, the prompts padded to data.max_prompt_length (256) by the static engine.
+    assert inference["logits"] == 16 * 768 * 64 * mparts.LOGIT_BYTES_FORWARD
+    # Where the prompt columns can be fewer, every token of the micro-batch is the bound: the
+    # hf engine (the batch's longest prompt), the length-aware cut, an unreadable config, and
+    # a sliding window shorter than prompt + answer (auto then runs hf).
+    for overrides in (
+        ["rollout.engine=hf"],
+        ["runner.trim_padding_multiple=64"],
+        ["rollout.model.model_path=/nonexistent"],
+    ):
+        full = mparts.logprob_parts(gpu_config(tiny, *overrides), shape, "bf16")["logits"]
+        assert full == 16 * 1024 * 64 * mparts.LOGIT_BYTES_FORWARD, overrides
+    assert mparts.prompt_width_fixed(gpu_config(tiny, "rollout.engine=static"))
     # A smaller token budget cuts the micro-batch, whole rows at a time.
     small = gpu_config(tiny, "runner.micro_batch_tokens=1024")
     assert (
