@@ -25,9 +25,14 @@ from types import SimpleNamespace
 
 from rlinf_twoworker import components
 from rlinf_twoworker.config import GRPOConfig
+from rlinf_twoworker.engines.config_rules import (
+    CAUSAL_LM_OF_TYPE,
+    packs_left,
+    unsupported_reason_of,
+    windows_attention_of,
+)
 from rlinf_twoworker.engines.kv_memory import PREFILL_TOKENS  # the static engine's prefill cut
 from rlinf_twoworker.engines.sampling import race_compiled
-from rlinf_twoworker.engines.static_support import CAUSAL_LM_OF_TYPE, unsupported_reason_of
 
 GIB = 1024**3
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -237,6 +242,11 @@ def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool)
         "activations": activations,
         "logits": tokens * shape.vocab * LOGIT_BYTES_TRAIN,
     }
+    if masked_rows(cfg.actor.model.model_path):
+        # The 4-D mask and every layer's bias, kept for the backward; with recompute the
+        # mask and the one layer recomputed at a time.
+        copies = 2 if recompute else shape.layers + 1
+        parts["attention_mask"] = mask_bytes(cfg, tokens, compute, copies)
     if not wraps and _one_micro_batch(cfg, ranks):
         # Each minibatch starts with no gradients (zero_grad(set_to_none=True)). In one
         # micro-batch, autograd makes them in its backward as it frees the forward's
@@ -244,7 +254,7 @@ def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool)
         # H100, 1.5B shape: the tutorial's actor peaked at 35.6 GiB allocated where the sum
         # with its slack said 47.6). The wrapped rank keeps the sum: FSDP2's unsharded
         # gradients and reduce-scatter buffers come with its sharded ones.
-        forward = parts["activations"] + parts["logits"]
+        forward = parts["activations"] + parts["logits"] + parts.get("attention_mask", 0)
         parts["gradients_beyond_activations"] = max(0, parts.pop("gradients") - forward)
     return parts
 
@@ -258,24 +268,64 @@ def _one_micro_batch(cfg: GRPOConfig, ranks: int) -> bool:
     return cfg.micro_batch_rows(True, cfg.runner.seq_length) >= cfg.minibatch_rows // ranks
 
 
+def _config_of(model_path: str) -> tuple[str, SimpleNamespace] | None:
+    """A model directory's config.json: the causal-LM class transformers builds for it and the
+    config's keys as attributes; None where it cannot be read."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    model_type = str(config.get("model_type"))
+    listed = config.get("architectures") or [model_type]
+    return CAUSAL_LM_OF_TYPE.get(model_type, str(listed[0])), SimpleNamespace(**config)
+
+
 def prompt_width_fixed(cfg: GRPOConfig) -> bool:
     """Whether every batch's prompts come padded to data.max_prompt_length: the static
     engine's batches (rollout.engine static, or auto where the static engine runs the rollout's
-    model, as its config.json says: engines/static_support). The hf engine pads a batch's
+    model, as its config.json says: engines/config_rules). The hf engine pads a batch's
     prompts to its longest; a config that cannot be read counts as not fixed."""
     engine = cfg.rollout.engine
     if engine != "auto":
         return engine == "static"
-    try:
-        path = Path(cfg.rollout.model.model_path) / "config.json"
-        config = json.loads(path.read_text(encoding="utf-8"))
-        architecture = CAUSAL_LM_OF_TYPE.get(config.get("model_type"))
-        max_len = cfg.data.max_prompt_length + cfg.max_new_tokens
-        return architecture is not None and (
-            unsupported_reason_of(architecture, SimpleNamespace(**config), max_len) is None
-        )
-    except (OSError, ValueError, TypeError, AttributeError):  # unreadable, or keys missing
+    found = _config_of(cfg.rollout.model.model_path)
+    if found is None:
         return False
+    max_len = cfg.data.max_prompt_length + cfg.max_new_tokens
+    try:
+        return unsupported_reason_of(*found, max_len) is None
+    except (TypeError, AttributeError):  # keys the rule reads are missing or malformed
+        return False
+
+
+def masked_rows(model_path: str) -> bool:
+    """Whether the log-prob and update forwards of the model at `model_path` keep the masked,
+    left-padded rows (engines/models._logprobs) instead of packing them: RLINF_PACK_LEFT=0 in
+    this process's environment (the job's, which the components share), or a model whose
+    attention slides a window (config_rules.windows_attention_of on its config.json; one that
+    cannot be read counts as masked, the larger estimate)."""
+    if not packs_left():
+        return True
+    found = _config_of(model_path)
+    if found is None:
+        return True
+    try:
+        return windows_attention_of(*found)
+    except (TypeError, AttributeError):
+        return True
+
+
+def mask_bytes(cfg: GRPOConfig, tokens: int, size: int, copies: int) -> int:
+    """`copies` [rows, 1, W, W] masks of `size`-byte values for a micro-batch of `tokens`
+    tokens (rows x W^2 = tokens x W, at most tokens x runner.seq_length). Masked rows hold the
+    4-D mask for the whole forward, and SDPA makes each layer's additive bias from it, which
+    the memory-efficient kernel keeps for its backward: benchmarks/probe_saved_for_backward.py
+    found the masked update's saved tensors larger than the packed one's by 1.05-1.4 x
+    layers x rows x W^2 values, and on an H200 the masked actor's nvidia-smi peak at 8 x 8 @
+    8192 lay 9.9% over a plan without this term (45f9970)."""
+    return tokens * cfg.runner.seq_length * size * copies
 
 
 def answer_share(cfg: GRPOConfig) -> float:
@@ -292,7 +342,9 @@ def answer_share(cfg: GRPOConfig) -> float:
     return answer / (cfg.data.max_prompt_length + answer)
 
 
-def logprob_parts(cfg: GRPOConfig, shape: ModelShape, precision: str) -> dict[str, int]:
+def logprob_parts(
+    cfg: GRPOConfig, shape: ModelShape, precision: str, model_path: str
+) -> dict[str, int]:
     """The inference (or reference) copy: its weights and one log-prob micro-batch, its logits
     only where the output head makes them (answer_share). The layers' activations and the
     logits are not held at once (the logits come after the last layer), but the sum stays
@@ -302,11 +354,14 @@ def logprob_parts(cfg: GRPOConfig, shape: ModelShape, precision: str) -> dict[st
     gpu = cfg.cluster.accelerator == "cuda"
     size = BYTES[precision] if gpu else 4
     tokens = micro_batch_tokens(cfg, 1, training=False)
-    return {
+    parts = {
         "weights": shape.params * size,
         "activations": tokens * size * (4 * shape.hidden + 3 * shape.intermediate),
         "logits": int(tokens * answer_share(cfg)) * shape.vocab * LOGIT_BYTES_FORWARD,
     }
+    if masked_rows(model_path):
+        parts["attention_mask"] = mask_bytes(cfg, tokens, size, 2)  # the mask, a layer's bias
+    return parts
 
 
 def rollout_parts(cfg: GRPOConfig, shape: ModelShape) -> dict[str, int]:
@@ -340,14 +395,17 @@ def inference_memory(
     cfg: GRPOConfig, shapes: Mapping[str, ModelShape], ranks: int, recompute: bool
 ) -> dict[str, int]:
     """The inference's row: its copy of the policy and one log-prob micro-batch."""
-    return logprob_parts(cfg, shapes["inference"], cfg.inference.model.precision)
+    inference = cfg.inference.model
+    return logprob_parts(cfg, shapes["inference"], inference.precision, inference.model_path)
 
 
 def reference_memory(
     cfg: GRPOConfig, shapes: Mapping[str, ModelShape], ranks: int, recompute: bool
 ) -> dict[str, int]:
     """The reference's row: the actor's initial weights at inference's precision."""
-    return logprob_parts(cfg, shapes["actor"], cfg.inference.model.precision)
+    return logprob_parts(
+        cfg, shapes["actor"], cfg.inference.model.precision, cfg.actor.model.model_path
+    )
 
 
 def rollout_memory(

@@ -252,6 +252,9 @@ def remedies(plan: MemoryPlan, cfg: GRPOConfig) -> list[str]:
         "actor.activations": "actor.activation_checkpointing=true or a lower "
         "runner.micro_batch_tokens",
         "actor.logits": "a lower runner.micro_batch_tokens",
+        "actor.attention_mask": "RLINF_PACK_LEFT=1 in the job's environment (a model whose "
+        "attention slides a window keeps the mask), actor.activation_checkpointing=true or a "
+        "lower runner.micro_batch_tokens",
         "actor.optimizer": "more actor ranks (cluster.component_placement.actor over more GPUs)",
         "actor.weights": "more actor ranks (cluster.component_placement.actor over more GPUs)",
         "rollout.kv_cache": "a lower rollout.max_batch_size or runner.seq_length",

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from rlinf_twoworker.config.schema import MicroBatchRule
+from rlinf_twoworker.engines.config_rules import packs_left, windows_attention_of
 from rlinf_twoworker.errors import TwoWorkerError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -457,13 +458,9 @@ def run_or_eager(
 
 
 def windows_attention(model: Any) -> bool:
-    """Whether some layer of `model` attends within a sliding window (Mistral's
-    sliding_window, Qwen2's use_sliding_window): transformers then makes a windowed mask
-    from the 2-D padding mask, which a ready 4-D mask would replace."""
-    config = model.config
-    return getattr(config, "sliding_window", None) is not None or "sliding_attention" in (
-        getattr(config, "layer_types", None) or ()
-    )
+    """Whether some layer of `model` attends within a sliding window
+    (config_rules.windows_attention_of, asked of the loaded model's config)."""
+    return windows_attention_of(type(model).__name__, model.config)
 
 
 def keeps_logits(model: Any) -> bool:
@@ -502,26 +499,6 @@ def response_logprobs(
             return F.pad(out[0], (0, width)), F.pad(out[1], (0, width))
         return F.pad(out, (0, width))
     return _logprobs(model, batch, fused, temperature, with_entropy, many_shapes=False)
-
-
-PACK_ENV = "RLINF_PACK_LEFT"
-
-
-def packs_left() -> bool:
-    """Whether the log-prob and update forwards move each row's padding after its real tokens
-    and attend causally with no mask (`_packed_logprobs`): the default; PACK_ENV=0 in the
-    actor's and inference's environment keeps the masked, left-padded rows. Measured on one
-    H100 at 025fbbb, the scale benchmark's 32 x 8 @ 2048 step, alternated 0, 1, 1, 0 on one
-    machine: 29.8 and 31.4 s packed against 33.4 and 32.9 s masked (inference 3.29-3.31
-    against 3.76-3.78 s, the actor's update 16.9-18.5 against 19.6-20.1 s)."""
-    value = os.environ.get(PACK_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(
-            f"{PACK_ENV}={value!r} in the environment of process {os.getpid()}: it takes 1 (pack"
-            " each row's padding after its tokens: the default) or 0 (masked, left-padded"
-            " rows); set one of them or unset it"
-        )
-    return value == "1"
 
 
 def _packed_logprobs(

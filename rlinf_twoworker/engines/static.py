@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from rlinf_twoworker.engines.config_rules import unsupported_reason_of, window_of
 from rlinf_twoworker.engines.decode_attention import (
     combine,
     grouped_matmul,
@@ -68,19 +69,18 @@ from rlinf_twoworker.engines.static_kernels import (
     penalize_repeats,
     pick_tokens,
 )
-from rlinf_twoworker.engines.static_support import unsupported_reason_of, window_of
 from rlinf_twoworker.errors import TwoWorkerError
 
 
 def sliding_window(model: Any) -> int | None:
     """The attention window `model`'s own forward applies in some layer (None: none;
-    static_support.window_of)."""
+    config_rules.window_of)."""
     return window_of(type(model).__name__, model.config)
 
 
 def unsupported_reason(model: Any, max_len: int) -> str | None:
     """Why the static sampler cannot run `model` over `max_len` tokens (prompt + answer), or
-    None when it can (static_support.unsupported_reason_of)."""
+    None when it can (config_rules.unsupported_reason_of)."""
     return unsupported_reason_of(type(model).__name__, model.config, max_len)
 
 

@@ -154,27 +154,74 @@ def test_each_part_matches_the_hand_computed_size(tiny):
     # Enough logits to compile the race: the bf16 logits alone (the noise is drawn in the pass).
     wide = dataclasses.replace(shape, vocab=2**22)
     assert mparts.rollout_parts(cfg, wide)["logits"] == 16 * 2**22 * 2
-    inference = mparts.logprob_parts(cfg, shape, "bf16")
+    inference = mparts.logprob_parts(cfg, shape, "bf16", str(tiny))
     assert inference["weights"] == PARAMS * 2
     # All 16 rows fit; the head makes logits only at the 768 columns that predict answer
     # tokens, the prompts padded to data.max_prompt_length (256) by the static engine.
     assert inference["logits"] == 16 * 768 * 64 * mparts.LOGIT_BYTES_FORWARD
     # Where the prompt columns can be fewer, every token of the micro-batch is the bound: the
-    # hf engine (the batch's longest prompt), the length-aware cut, an unreadable config, and
-    # a sliding window shorter than prompt + answer (auto then runs hf).
+    # hf engine (the batch's longest prompt), the length-aware cut, an unreadable config (a
+    # sliding window shorter than prompt + answer, where auto runs hf: test_sampler.py).
     for overrides in (
         ["rollout.engine=hf"],
         ["runner.trim_padding_multiple=64"],
         ["rollout.model.model_path=/nonexistent"],
     ):
-        full = mparts.logprob_parts(gpu_config(tiny, *overrides), shape, "bf16")["logits"]
-        assert full == 16 * 1024 * 64 * mparts.LOGIT_BYTES_FORWARD, overrides
+        full = mparts.logprob_parts(gpu_config(tiny, *overrides), shape, "bf16", str(tiny))
+        assert full["logits"] == 16 * 1024 * 64 * mparts.LOGIT_BYTES_FORWARD, overrides
     assert mparts.prompt_width_fixed(gpu_config(tiny, "rollout.engine=static"))
     # A smaller token budget cuts the micro-batch, whole rows at a time.
     small = gpu_config(tiny, "runner.micro_batch_tokens=1024")
     assert (
         mparts.actor_parts(small, shape, 2, False)["logits"] == 1024 * 64 * mparts.LOGIT_BYTES_TRAIN
     )
+
+
+def test_masked_rows_plan_their_mask_and_each_layers_bias(tiny, tmp_path, monkeypatch):
+    """The forwards keep masked rows with RLINF_PACK_LEFT=0 or for a model whose attention
+    slides a window: the actor's estimate then holds the [rows, 1, W, W] mask and every
+    layer's bias kept for the backward (the mask and one layer's with recompute), the
+    log-prob pass's the mask and one layer's bias; packed rows hold none. The plan reads the
+    window from config.json as the engines read it from the loaded model."""
+    from rlinf_twoworker.engines.config_rules import PACK_ENV
+    from rlinf_twoworker.engines.models import windows_attention
+
+    cfg = gpu_config(tiny)
+    shape = mparts.model_shape(tiny)
+    assert "attention_mask" not in mparts.actor_parts(cfg, shape, 2, False)
+    assert "attention_mask" not in mparts.logprob_parts(cfg, shape, "bf16", str(tiny))
+    monkeypatch.setenv(PACK_ENV, "0")
+    rows_w2 = 2 * 1024 * 1024  # the actor's 2 rows of 1024 tokens a micro-batch, bf16 values
+    assert mparts.actor_parts(cfg, shape, 2, False)["attention_mask"] == rows_w2 * 2 * 3
+    assert mparts.actor_parts(cfg, shape, 2, True)["attention_mask"] == rows_w2 * 2 * 2
+    inference = mparts.logprob_parts(cfg, shape, "bf16", str(tiny))
+    assert inference["attention_mask"] == 16 * 1024 * 1024 * 2 * 2  # all 16 rows at once
+    monkeypatch.setenv(PACK_ENV, "2")
+    with pytest.raises(ValueError, match="RLINF_PACK_LEFT='2'"):
+        mparts.actor_parts(cfg, shape, 2, False)
+    monkeypatch.delenv(PACK_ENV)
+    # Packed by default: a window decides, read from config.json as transformers loads it.
+    mistral = tiny_lm("mistral", seed=None, sliding_window=4)
+    named = tiny_lm(seed=None, sliding_window=4096, use_sliding_window=False)
+    sliding = tiny_lm(seed=None, sliding_window=8, use_sliding_window=True, max_window_layers=1)
+    for name, model in (("mistral", mistral), ("named", named), ("sliding", sliding)):
+        model.save_pretrained(tmp_path / name)
+        windowed = gpu_config(tiny, f"actor.model.model_path={tmp_path / name}")
+        planned = "attention_mask" in mparts.actor_parts(windowed, shape, 2, False)
+        assert planned is windows_attention(model) is mparts.masked_rows(str(tmp_path / name))
+    assert [mparts.masked_rows(str(tmp_path / n)) for n in ("mistral", "named", "sliding")] == [
+        True,
+        False,
+        True,
+    ]
+    # A Qwen2 config.json as released (a window named, use_sliding_window false): packed.
+    raw = json.loads((tmp_path / "named" / "config.json").read_text())
+    assert raw["use_sliding_window"] is False
+    raw["sliding_window"] = 4096
+    (tmp_path / "named" / "config.json").write_text(json.dumps(raw))
+    assert not mparts.masked_rows(str(tmp_path / "named"))
+    # A config that cannot be read: masked, the larger estimate.
+    assert mparts.masked_rows(str(tmp_path / "missing"))
 
 
 def test_processes_sharing_a_gpu_add_up_and_the_budget_is_the_smaller_limit(tiny):

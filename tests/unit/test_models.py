@@ -647,7 +647,7 @@ def test_run_or_eager_redoes_a_compiler_failure_eagerly_and_nothing_else():
 def test_rows_are_packed_unless_the_environment_says_0(monkeypatch, value, packed):
     """Rows are packed by default and with RLINF_PACK_LEFT=1, masked with RLINF_PACK_LEFT=0,
     and any other value than 0 or 1 is refused by name instead of read as one of the two."""
-    from rlinf_twoworker.engines.models import PACK_ENV, packs_left
+    from rlinf_twoworker.engines.config_rules import PACK_ENV, packs_left
 
     if value is None:
         monkeypatch.delenv(PACK_ENV, raising=False)
