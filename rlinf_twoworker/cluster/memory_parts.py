@@ -333,13 +333,14 @@ def answer_share(cfg: GRPOConfig) -> float:
     makes them only at the positions that predict answer tokens (engines/models.
     response_logprobs), and a micro-batch holds tokens // width rows of prompt + answer
     columns. With prompts padded to data.max_prompt_length P and answers of at most A tokens
-    that is A / (P + A) of its tokens; where the prompt columns can be fewer (the hf engine's
-    batches, or the length-aware cut, runner.trim_padding_multiple, which drops columns that
-    are padding in every row) the bound is all of them."""
+    that is (A + 1) / (P + A) of its tokens (packed rows give the head A positions a row,
+    masked ones A + 1: transformers' logits_to_keep); where the prompt columns can be fewer
+    (the hf engine's batches, or the length-aware cut, runner.trim_padding_multiple, which
+    drops columns that are padding in every row) the bound is all of them."""
     if cfg.runner.trim_padding_multiple >= 1 or not prompt_width_fixed(cfg):
         return 1.0
     answer = cfg.max_new_tokens
-    return answer / (cfg.data.max_prompt_length + answer)
+    return min(1.0, (answer + 1) / (cfg.data.max_prompt_length + answer))
 
 
 def logprob_parts(

@@ -156,9 +156,9 @@ def test_each_part_matches_the_hand_computed_size(tiny):
     assert mparts.rollout_parts(cfg, wide)["logits"] == 16 * 2**22 * 2
     inference = mparts.logprob_parts(cfg, shape, "bf16", str(tiny))
     assert inference["weights"] == PARAMS * 2
-    # All 16 rows fit; the head makes logits only at the 768 columns that predict answer
-    # tokens, the prompts padded to data.max_prompt_length (256) by the static engine.
-    assert inference["logits"] == 16 * 768 * 64 * mparts.LOGIT_BYTES_FORWARD
+    # All 16 rows fit; the head makes logits only at the columns that predict answer tokens
+    # (768, 769 masked), the prompts padded to data.max_prompt_length (256) by the static engine.
+    assert inference["logits"] == 16 * 769 * 64 * mparts.LOGIT_BYTES_FORWARD
     # Where the prompt columns can be fewer, every token of the micro-batch is the bound: the
     # hf engine (the batch's longest prompt), the length-aware cut, an unreadable config (a
     # sliding window shorter than prompt + answer, where auto runs hf: test_sampler.py).
