@@ -19,9 +19,10 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from rlinf_twoworker import components
 from rlinf_twoworker.config import GRPOConfig
@@ -76,6 +77,13 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    architecture: str = ""
+    """The causal-LM class transformers builds for the model (AutoModelForCausalLM's pick for
+    its model_type)."""
+    config: Any = field(default=None, compare=False, repr=False)
+    """The model's config, its keys as attributes, read with the shape (the directory once):
+    what engines/config_rules asks of it. None where not known (a shape made by hand): the
+    plan then takes the larger estimate."""
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -145,6 +153,8 @@ def shape_from_checkpoint(model_dir: str | Path) -> ModelShape | None:
         kv_heads=int(config.get("num_key_value_heads") or heads),
         head_dim=int(config.get("head_dim") or hidden // heads),
         vocab=vocab,
+        architecture=CAUSAL_LM_OF_TYPE[config["model_type"]],  # HEADER_FAMILIES are all there
+        config=SimpleNamespace(**config),
     )
 
 
@@ -175,6 +185,8 @@ def shape_on_meta(model_dir: str | Path) -> ModelShape:
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         vocab=text.vocab_size,
+        architecture=type(model).__name__,
+        config=config,
     )
 
 
@@ -242,7 +254,7 @@ def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool)
         "activations": activations,
         "logits": tokens * shape.vocab * LOGIT_BYTES_TRAIN,
     }
-    if masked_rows(cfg.actor.model.model_path):
+    if masked_rows(shape):
         # The 4-D mask and every layer's bias, kept for the backward; with recompute the
         # mask and the one layer recomputed at a time.
         copies = 2 if recompute else shape.layers + 1
@@ -268,51 +280,35 @@ def _one_micro_batch(cfg: GRPOConfig, ranks: int) -> bool:
     return cfg.micro_batch_rows(True, cfg.runner.seq_length) >= cfg.minibatch_rows // ranks
 
 
-def _config_of(model_path: str) -> tuple[str, SimpleNamespace] | None:
-    """A model directory's config.json: the causal-LM class transformers builds for it and the
-    config's keys as attributes; None where it cannot be read."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    model_type = str(config.get("model_type"))
-    listed = config.get("architectures") or [model_type]
-    return CAUSAL_LM_OF_TYPE.get(model_type, str(listed[0])), SimpleNamespace(**config)
-
-
-def prompt_width_fixed(cfg: GRPOConfig) -> bool:
+def prompt_width_fixed(cfg: GRPOConfig, rollout: ModelShape) -> bool:
     """Whether every batch's prompts come padded to data.max_prompt_length: the static
-    engine's batches (rollout.engine static, or auto where the static engine runs the rollout's
-    model, as its config.json says: engines/config_rules). The hf engine pads a batch's
-    prompts to its longest; a config that cannot be read counts as not fixed."""
+    engine's batches (rollout.engine static, or auto where the static engine runs `rollout`,
+    the rollout's model, as its config says: engines/config_rules). The hf engine pads a
+    batch's prompts to its longest; a config not known counts as not fixed."""
     engine = cfg.rollout.engine
     if engine != "auto":
         return engine == "static"
-    found = _config_of(cfg.rollout.model.model_path)
-    if found is None:
+    if rollout.config is None:
         return False
     max_len = cfg.data.max_prompt_length + cfg.max_new_tokens
     try:
-        return unsupported_reason_of(*found, max_len) is None
+        return unsupported_reason_of(rollout.architecture, rollout.config, max_len) is None
     except (TypeError, AttributeError):  # keys the rule reads are missing or malformed
         return False
 
 
-def masked_rows(model_path: str) -> bool:
-    """Whether the log-prob and update forwards of the model at `model_path` keep the masked,
+def masked_rows(shape: ModelShape) -> bool:
+    """Whether the log-prob and update forwards of the model of `shape` keep the masked,
     left-padded rows (engines/models._logprobs) instead of packing them: RLINF_PACK_LEFT=0 in
     this process's environment (the job's, which the components share), or a model whose
-    attention slides a window (config_rules.windows_attention_of on its config.json; one that
-    cannot be read counts as masked, the larger estimate)."""
+    attention slides a window (config_rules.windows_attention_of on its config; one not known
+    counts as masked, the larger estimate)."""
     if not packs_left():
         return True
-    found = _config_of(model_path)
-    if found is None:
+    if shape.config is None:
         return True
     try:
-        return windows_attention_of(*found)
+        return windows_attention_of(shape.architecture, shape.config)
     except (TypeError, AttributeError):
         return True
 
@@ -328,7 +324,7 @@ def mask_bytes(cfg: GRPOConfig, tokens: int, size: int, copies: int) -> int:
     return tokens * cfg.runner.seq_length * size * copies
 
 
-def answer_share(cfg: GRPOConfig) -> float:
+def answer_share(cfg: GRPOConfig, rollout: ModelShape) -> float:
     """The most of a log-prob micro-batch's tokens at which the output head makes logits: it
     makes them only at the positions that predict answer tokens (engines/models.
     response_logprobs), and a micro-batch holds tokens // width rows of prompt + answer
@@ -337,17 +333,18 @@ def answer_share(cfg: GRPOConfig) -> float:
     masked ones A + 1: transformers' logits_to_keep); where the prompt columns can be fewer
     (the hf engine's batches, or the length-aware cut, runner.trim_padding_multiple, which
     drops columns that are padding in every row) the bound is all of them."""
-    if cfg.runner.trim_padding_multiple >= 1 or not prompt_width_fixed(cfg):
+    if cfg.runner.trim_padding_multiple >= 1 or not prompt_width_fixed(cfg, rollout):
         return 1.0
     answer = cfg.max_new_tokens
     return min(1.0, (answer + 1) / (cfg.data.max_prompt_length + answer))
 
 
 def logprob_parts(
-    cfg: GRPOConfig, shape: ModelShape, precision: str, model_path: str
+    cfg: GRPOConfig, shape: ModelShape, precision: str, rollout: ModelShape
 ) -> dict[str, int]:
-    """The inference (or reference) copy: its weights and one log-prob micro-batch, its logits
-    only where the output head makes them (answer_share). The layers' activations and the
+    """The inference (or reference) copy of `shape`: its weights and one log-prob
+    micro-batch, its logits only where the output head makes them (answer_share: the batches
+    come from the rollout's model, `rollout`). The layers' activations and the
     logits are not held at once (the logits come after the last layer), but the sum stays
     within 10% of the measured nvidia-smi peaks where the larger of the two alone falls short
     with masked rows (RLINF_PACK_LEFT=0): on an H100, packed, 8.29 GiB at the tutorial's shape
@@ -358,9 +355,9 @@ def logprob_parts(
     parts = {
         "weights": shape.params * size,
         "activations": tokens * size * (4 * shape.hidden + 3 * shape.intermediate),
-        "logits": int(tokens * answer_share(cfg)) * shape.vocab * LOGIT_BYTES_FORWARD,
+        "logits": int(tokens * answer_share(cfg, rollout)) * shape.vocab * LOGIT_BYTES_FORWARD,
     }
-    if masked_rows(model_path):
+    if masked_rows(shape):
         parts["attention_mask"] = mask_bytes(cfg, tokens, size, 2)  # the mask, a layer's bias
     return parts
 
@@ -396,17 +393,15 @@ def inference_memory(
     cfg: GRPOConfig, shapes: Mapping[str, ModelShape], ranks: int, recompute: bool
 ) -> dict[str, int]:
     """The inference's row: its copy of the policy and one log-prob micro-batch."""
-    inference = cfg.inference.model
-    return logprob_parts(cfg, shapes["inference"], inference.precision, inference.model_path)
+    precision = cfg.inference.model.precision
+    return logprob_parts(cfg, shapes["inference"], precision, shapes["rollout"])
 
 
 def reference_memory(
     cfg: GRPOConfig, shapes: Mapping[str, ModelShape], ranks: int, recompute: bool
 ) -> dict[str, int]:
     """The reference's row: the actor's initial weights at inference's precision."""
-    return logprob_parts(
-        cfg, shapes["actor"], cfg.inference.model.precision, cfg.actor.model.model_path
-    )
+    return logprob_parts(cfg, shapes["actor"], cfg.inference.model.precision, shapes["rollout"])
 
 
 def rollout_memory(

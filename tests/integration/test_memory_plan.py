@@ -154,22 +154,24 @@ def test_each_part_matches_the_hand_computed_size(tiny):
     # Enough logits to compile the race: the bf16 logits alone (the noise is drawn in the pass).
     wide = dataclasses.replace(shape, vocab=2**22)
     assert mparts.rollout_parts(cfg, wide)["logits"] == 16 * 2**22 * 2
-    inference = mparts.logprob_parts(cfg, shape, "bf16", str(tiny))
+    inference = mparts.logprob_parts(cfg, shape, "bf16", shape)
     assert inference["weights"] == PARAMS * 2
     # All 16 rows fit; the head makes logits only at the columns that predict answer tokens
     # (768, 769 masked), the prompts padded to data.max_prompt_length (256) by the static engine.
     assert inference["logits"] == 16 * 769 * 64 * mparts.LOGIT_BYTES_FORWARD
     # Where the prompt columns can be fewer, every token of the micro-batch is the bound: the
-    # hf engine (the batch's longest prompt), the length-aware cut, an unreadable config (a
-    # sliding window shorter than prompt + answer, where auto runs hf: test_sampler.py).
-    for overrides in (
-        ["rollout.engine=hf"],
-        ["runner.trim_padding_multiple=64"],
-        ["rollout.model.model_path=/nonexistent"],
+    # hf engine (the batch's longest prompt), the length-aware cut, a rollout model whose
+    # config is not known (a sliding window shorter than prompt + answer, where auto runs hf:
+    # test_sampler.py).
+    unknown = dataclasses.replace(shape, config=None)
+    for overrides, rollout in (
+        (["rollout.engine=hf"], shape),
+        (["runner.trim_padding_multiple=64"], shape),
+        ([], unknown),
     ):
-        full = mparts.logprob_parts(gpu_config(tiny, *overrides), shape, "bf16", str(tiny))
+        full = mparts.logprob_parts(gpu_config(tiny, *overrides), shape, "bf16", rollout)
         assert full["logits"] == 16 * 1024 * 64 * mparts.LOGIT_BYTES_FORWARD, overrides
-    assert mparts.prompt_width_fixed(gpu_config(tiny, "rollout.engine=static"))
+    assert mparts.prompt_width_fixed(gpu_config(tiny, "rollout.engine=static"), unknown)
     # A smaller token budget cuts the micro-batch, whole rows at a time.
     small = gpu_config(tiny, "runner.micro_batch_tokens=1024")
     assert (
@@ -189,27 +191,29 @@ def test_masked_rows_plan_their_mask_and_each_layers_bias(tiny, tmp_path, monkey
     cfg = gpu_config(tiny)
     shape = mparts.model_shape(tiny)
     assert "attention_mask" not in mparts.actor_parts(cfg, shape, 2, False)
-    assert "attention_mask" not in mparts.logprob_parts(cfg, shape, "bf16", str(tiny))
+    assert "attention_mask" not in mparts.logprob_parts(cfg, shape, "bf16", shape)
     monkeypatch.setenv(PACK_ENV, "0")
     rows_w2 = 2 * 1024 * 1024  # the actor's 2 rows of 1024 tokens a micro-batch, bf16 values
     assert mparts.actor_parts(cfg, shape, 2, False)["attention_mask"] == rows_w2 * 2 * 3
     assert mparts.actor_parts(cfg, shape, 2, True)["attention_mask"] == rows_w2 * 2 * 2
-    inference = mparts.logprob_parts(cfg, shape, "bf16", str(tiny))
+    inference = mparts.logprob_parts(cfg, shape, "bf16", shape)
     assert inference["attention_mask"] == 16 * 1024 * 1024 * 2 * 2  # all 16 rows at once
     monkeypatch.setenv(PACK_ENV, "2")
     with pytest.raises(ValueError, match="RLINF_PACK_LEFT='2'"):
         mparts.actor_parts(cfg, shape, 2, False)
     monkeypatch.delenv(PACK_ENV)
-    # Packed by default: a window decides, read from config.json as transformers loads it.
+    # Packed by default: a window decides, read from config.json (with the shape) as
+    # transformers loads it.
     mistral = tiny_lm("mistral", seed=None, sliding_window=4)
     named = tiny_lm(seed=None, sliding_window=4096, use_sliding_window=False)
     sliding = tiny_lm(seed=None, sliding_window=8, use_sliding_window=True, max_window_layers=1)
     for name, model in (("mistral", mistral), ("named", named), ("sliding", sliding)):
         model.save_pretrained(tmp_path / name)
-        windowed = gpu_config(tiny, f"actor.model.model_path={tmp_path / name}")
-        planned = "attention_mask" in mparts.actor_parts(windowed, shape, 2, False)
-        assert planned is windows_attention(model) is mparts.masked_rows(str(tmp_path / name))
-    assert [mparts.masked_rows(str(tmp_path / n)) for n in ("mistral", "named", "sliding")] == [
+        read = mparts.model_shape(tmp_path / name)
+        planned = "attention_mask" in mparts.actor_parts(cfg, read, 2, False)
+        assert planned is windows_attention(model) is mparts.masked_rows(read)
+    shapes = [mparts.model_shape(tmp_path / n) for n in ("mistral", "named", "sliding")]
+    assert [mparts.masked_rows(s) for s in shapes] == [
         True,
         False,
         True,
@@ -219,9 +223,9 @@ def test_masked_rows_plan_their_mask_and_each_layers_bias(tiny, tmp_path, monkey
     assert raw["use_sliding_window"] is False
     raw["sliding_window"] = 4096
     (tmp_path / "named" / "config.json").write_text(json.dumps(raw))
-    assert not mparts.masked_rows(str(tmp_path / "named"))
-    # A config that cannot be read: masked, the larger estimate.
-    assert mparts.masked_rows(str(tmp_path / "missing"))
+    assert not mparts.masked_rows(mparts.model_shape(tmp_path / "named"))
+    # A config not known (a shape made by hand): masked, the larger estimate.
+    assert mparts.masked_rows(dataclasses.replace(shape, config=None))
 
 
 def test_processes_sharing_a_gpu_add_up_and_the_budget_is_the_smaller_limit(tiny):

@@ -13,7 +13,7 @@ import torch
 from support import generate_greedy, tiny_lm
 
 from rlinf_twoworker.api.demo import build_tokenizer, demo_config, make_inputs
-from rlinf_twoworker.cluster.memory_parts import prompt_width_fixed
+from rlinf_twoworker.cluster.memory_parts import model_shape, prompt_width_fixed
 from rlinf_twoworker.config import to_typed
 from rlinf_twoworker.config.settings import rollout_settings
 from rlinf_twoworker.engines.decode_attention import kernel_supports
@@ -531,10 +531,11 @@ def test_the_engine_falls_back_to_hf_on_a_sliding_window(demo, tmp_path, caplog)
     with pytest.raises(TwoWorkerError, match=r"rollout.engine=static .*rollout rank 0.*window"):
         _rollout(demo, tmp_path, sliding, "rollout.engine=static")
     assert _rollout(demo, tmp_path, demo.model_path, "rollout.engine=auto").static
-    # The memory plan reads the same answer from config.json before any model loads (whether
-    # the batches' prompt columns are fixed: cluster/memory_parts.answer_share).
-    assert not prompt_width_fixed(_config(demo, tmp_path, sliding, "rollout.engine=auto"))
-    assert prompt_width_fixed(_config(demo, tmp_path, demo.model_path, "rollout.engine=auto"))
+    # The memory plan reads the same answer from config.json (with the model's shape) before
+    # any model loads (whether the batches' prompt columns are fixed: memory_parts.answer_share).
+    auto = _config(demo, tmp_path, demo.model_path, "rollout.engine=auto")
+    assert not prompt_width_fixed(auto, model_shape(sliding))
+    assert prompt_width_fixed(auto, model_shape(demo.model_path))
 
 
 def test_both_engines_decode_greedily_and_pass_the_repetition_penalty(demo, tmp_path):
