@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from rlinf_twoworker.engines.config_rules import unsupported_reason_of, window_of
+from rlinf_twoworker.engines.config_rules import unsupported_reason_of
 from rlinf_twoworker.engines.decode_attention import (
     combine,
     grouped_matmul,
@@ -70,12 +70,6 @@ from rlinf_twoworker.engines.static_kernels import (
     pick_tokens,
 )
 from rlinf_twoworker.errors import TwoWorkerError
-
-
-def sliding_window(model: Any) -> int | None:
-    """The attention window `model`'s own forward applies in some layer (None: none;
-    config_rules.window_of)."""
-    return window_of(type(model).__name__, model.config)
 
 
 def unsupported_reason(model: Any, max_len: int) -> str | None:
