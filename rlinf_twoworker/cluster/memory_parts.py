@@ -3,10 +3,11 @@
 The model's shape comes from its directory: for the decoder-only families the engines know,
 the config and the safetensors files' headers (every stored tensor's shape, no weights read,
 no transformers import: the run's controller plans memory while the preflight runs); for any
-other model, parameters counted on the meta device by transformers. With the batch,
-`runner.seq_length` and the settings (precision, FSDP sharding, the optimiser's state, the
-rollout's KV cache, activations with or without recompute) each process gets an estimate by
-part. cluster/memory_plan.py adds up the processes of each GPU and
+other model, parameters counted on the meta device by transformers. The shape keeps the
+model's config, which says whether the static engine runs it and whether its attention
+windows (engines/config_rules). With the batch, `runner.seq_length` and the settings
+(precision, FSDP sharding, the optimiser's state, the rollout's KV cache, activations with or
+without recompute, packed or masked rows) each process gets an estimate by part. cluster/memory_plan.py adds up the processes of each GPU and
 holds them against its budget.
 
 The activation, logit and slack coefficients are calibrated on an H200 at the 1.5B shape
