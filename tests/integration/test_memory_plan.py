@@ -511,6 +511,23 @@ def test_micro_batches_are_the_fastest_cut_that_fits_the_budget(shape_1_5b):
     assert not any("micro-batches" in n for n in notes)
 
 
+def test_settling_the_plan_reads_no_file(shape_1_5b, monkeypatch):
+    """The model directories are read once, into their shapes (config included): choosing the
+    cuts, which plans many combinations, reads no file (model directories sit on shared
+    storage, and the plan runs on the controller's start-up path)."""
+    cfg = gpu_config(shape_1_5b, *SCALE_32X8)
+    shapes = mparts.model_shapes(cfg)
+
+    def refuse(path, *args, **kwargs):
+        raise AssertionError(f"the plan read {path}")
+
+    monkeypatch.setattr(Path, "read_text", refuse)
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    monkeypatch.setattr(Path, "open", refuse)
+    plan, notes = mp.settle_plan(cfg, cfg.placement, shapes, {0: 78 * GIB})
+    assert plan.too_big() == [] and cfg.runner.micro_batch_tokens == 6144
+
+
 def test_without_a_budget_the_cuts_are_their_floors(shape_1_5b):
     """No GPU budget known (a CPU run, or no free memory reported and no max_gpu_memory_gb):
     the floors, as the library's fixed defaults were, and nothing turned on."""
