@@ -111,10 +111,10 @@ def test_one_unwrapped_rank_in_one_micro_batch_holds_its_gradients_or_its_activa
     forward = parts["activations"] + parts["logits"]
     assert parts["gradients_beyond_activations"] == max(0, gradients - forward)
     # The activations alone would not cover them at this size: a bigger model's gradients.
-    big = dataclasses.replace(shape, params=10**6)
+    big = dataclasses.replace(shape, params=2 * 10**6)
     parts = mparts.actor_parts(one, big, ranks=1, recompute=True)
     forward = parts["activations"] + parts["logits"]
-    assert parts["gradients_beyond_activations"] == 10**6 * 4 - forward > 0
+    assert parts["gradients_beyond_activations"] == 2 * 10**6 * 4 - forward > 0
     halves = gpu_config(tiny, "runner.micro_batch_tokens=2048")
     assert mparts.actor_parts(halves, shape, 1, True)["gradients"] == gradients
     wrapped = gpu_config(tiny, "actor.fsdp_at_one_rank=true")
@@ -128,7 +128,7 @@ def test_each_part_matches_the_hand_computed_size(tiny):
     shape = mparts.model_shape(tiny)
     actor = mparts.actor_parts(cfg, shape, ranks=2, recompute=False)
     # 16 rows / 4 minibatches / 2 ranks = 2 rows of 1024 tokens in one micro-batch (budget 4096).
-    per_layer = 2 * (9 * 16 + 4 * 32)  # bf16 x (9 hidden + 4 intermediate), compiled layers
+    per_layer = 2 * (9 * 16 + 3 * 32)  # bf16 x (9 hidden + 3 intermediate), compiled layers
     assert actor == {
         "weights": 3400 * 4,  # fp32 master shard
         "gradients": 3400 * 4,
@@ -525,7 +525,7 @@ def test_settling_the_plan_reads_no_file(shape_1_5b, monkeypatch):
     monkeypatch.setattr(Path, "read_bytes", refuse)
     monkeypatch.setattr(Path, "open", refuse)
     plan, notes = mp.settle_plan(cfg, cfg.placement, shapes, {0: 78 * GIB})
-    assert plan.too_big() == [] and cfg.runner.micro_batch_tokens == 6144
+    assert plan.too_big() == [] and cfg.runner.micro_batch_tokens == 4096
 
 
 def test_without_a_budget_the_cuts_are_their_floors(shape_1_5b):
