@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -540,9 +541,30 @@ def test_without_a_budget_the_cuts_are_their_floors(shape_1_5b):
     assert cfg.actor.activation_checkpointing is None
 
 
+def recorded_plan(model: Path, case: dict) -> mp.MemoryPlan:
+    """Today's plan for the settings a scale benchmark case ran with (its micro-batch cuts,
+    recompute, offload, batch and lengths, as its record names them)."""
+    (cuts,) = [line for line in case["memory_plan_lines"] if line.startswith("micro-batches")]
+    actor, logprob = re.findall(r"actor (\d+) tokens, log-probs (\d+) tokens", cuts)[0]
+    settings = case["plan_settings"]
+    recompute, offload = settings["actor_recompute"], settings["actor_offload"]
+    overrides = [o for o in case["overrides"] if not o.startswith("reward.")]
+    cfg = gpu_config(
+        model,
+        *COLOCATED,
+        *overrides,
+        f"data.max_prompt_length={case['max_prompt_length']}",
+        f"runner.micro_batch_tokens={actor}",
+        f"runner.logprob_micro_batch_tokens={logprob}",
+        f"actor.activation_checkpointing={str(recompute).lower()}",
+        f"actor.enable_offload={str(offload).lower()}",
+    )
+    return mp.plan_memory(cfg, cfg.placement, mparts.model_shapes(cfg), None, recompute, offload)
+
+
 RECORDS = (
     # (benchmarks/results file, RLINF_PACK_LEFT it ran with: packed by default since 68ceb13)
-    ("scale-tutorial+32x8@2048-h100.json", "1"),  # 942f742
+    ("scale-tutorial+32x8@2048-h100.json", "1"),  # 190361f
     ("scale-32x8@2048-h100.json", "0"),  # 7e31182
     ("scale-32x8@2048-h200.json", "0"),  # 62d2c72
     ("scale-8x8@8192+64x8@2048-h200.json", "0"),  # 45f9970
@@ -560,32 +582,13 @@ def test_the_plan_is_within_10_percent_of_each_recorded_peak(shape_1_5b, monkeyp
     batch and lengths, as its record names them) is within 10% of each process's nvidia-smi
     peak, either way. A plan change that drifts from the measurements fails here; a change
     to what the processes hold needs a new measurement in benchmarks/results."""
-    import re
-
     from support import BENCHMARKS
 
     monkeypatch.setenv("RLINF_PACK_LEFT", pack)
     saved = json.loads((BENCHMARKS / "results" / record).read_text(encoding="utf-8"))
     assert saved["scale"]["cases"], record
     for name, case in saved["scale"]["cases"].items():
-        (cuts,) = [line for line in case["memory_plan_lines"] if line.startswith("micro-batches")]
-        actor, logprob = re.findall(r"actor (\d+) tokens, log-probs (\d+) tokens", cuts)[0]
-        settings = case["plan_settings"]
-        recompute, offload = settings["actor_recompute"], settings["actor_offload"]
-        overrides = [o for o in case["overrides"] if not o.startswith("reward.")]
-        cfg = gpu_config(
-            shape_1_5b,
-            *COLOCATED,
-            *overrides,
-            f"data.max_prompt_length={case['max_prompt_length']}",
-            f"runner.micro_batch_tokens={actor}",
-            f"runner.logprob_micro_batch_tokens={logprob}",
-            f"actor.activation_checkpointing={str(recompute).lower()}",
-            f"actor.enable_offload={str(offload).lower()}",
-        )
-        plan = mp.plan_memory(
-            cfg, cfg.placement, mparts.model_shapes(cfg), None, recompute, offload
-        )
+        plan = recorded_plan(shape_1_5b, case)
         estimates = {p.component: p.total / GIB for g in plan.gpus for p in g.processes}
         measured = {
             row["process"]: row["nvidia_smi_peak_gib"] for row in case["plan_vs_nvidia_smi"]
@@ -597,3 +600,28 @@ def test_the_plan_is_within_10_percent_of_each_recorded_peak(shape_1_5b, monkeyp
                 f"{record} {name} {process}: nvidia-smi peak {peak:.2f} GiB, today's plan "
                 f"{estimate:.2f} GiB ({peak / estimate - 1:+.1%})"
             )
+
+
+def test_the_plan_covers_what_the_run_that_ran_out_of_memory_held(shape_1_5b, monkeypatch):
+    """8x8@8192 on an H100 (190361f: 32768-token cuts, recompute, the offload) ran out of
+    memory in step 1's update. What PyTorch had allocated for the actor then, and the
+    allocation it asked for (the bf16 gradient of 4 rows' logits), is a floor under the actor's
+    peak: today's plan of those settings must count at least that much in the parts PyTorch
+    allocates (its slack and the CUDA context aside). The plan of 190361f counted 58.6 GiB
+    against the 68.96 GiB the run reached (the logits at 5 bytes a token and vocabulary entry,
+    where the compiled log-softmax's backward holds 8)."""
+    from support import BENCHMARKS
+
+    monkeypatch.setenv("RLINF_PACK_LEFT", "1")
+    record = BENCHMARKS / "results" / "scale-8x8@8192+64x8@2048-h100.json"
+    case = json.loads(record.read_text(encoding="utf-8"))["scale"]["cases"]["8x8@8192"]
+    allocated = float(re.search(r"([\d.]+) GiB is allocated by PyTorch", case["error"]).group(1))
+    asked = float(re.search(r"Tried to allocate ([\d.]+) GiB", case["error"]).group(1))
+    plan = recorded_plan(shape_1_5b, case)
+    (actor,) = [p for g in plan.gpus for p in g.processes if p.component == "actor"]
+    held = {k: v for k, v in actor.parts.items() if k not in ("allocator_slack", "cuda_context")}
+    assert sum(held.values()) / GIB >= allocated + asked, (held, allocated, asked)
+    # ... and the plan no longer picks those cuts on that card: its budget (78.1 GiB free).
+    cfg = gpu_config(shape_1_5b, *COLOCATED, *case["overrides"][:3])
+    mp.settle_plan(cfg, cfg.placement, mparts.model_shapes(cfg), {0: int(78.1 * GIB)})
+    assert cfg.runner.micro_batch_tokens < 32768
