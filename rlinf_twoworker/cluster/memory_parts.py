@@ -7,11 +7,13 @@ other model, parameters counted on the meta device by transformers. The shape ke
 model's config, which says whether the static engine runs it and whether its attention
 windows (engines/config_rules). With the batch, `runner.seq_length` and the settings
 (precision, FSDP sharding, the optimiser's state, the rollout's KV cache, activations with or
-without recompute, packed or masked rows) each process gets an estimate by part. cluster/memory_plan.py adds up the processes of each GPU and
-holds them against its budget.
+without recompute, packed or masked rows) each process gets an estimate by part.
+cluster/memory_plan.py adds up the processes of each GPU and holds them against its budget.
 
-The activation, logit and slack coefficients are calibrated on an H200 at the 1.5B shape
-(benchmarks/RESULTS.md, "Memory plan"); everything else is exact arithmetic on sizes.
+The activation, logit and slack coefficients are calibrated on H100s and H200s at the 1.5B
+shape (the scale benchmark's records in benchmarks/results, which
+tests/integration/test_memory_plan.py holds the plan to); everything else is exact arithmetic
+on sizes.
 """
 
 from __future__ import annotations
@@ -57,20 +59,20 @@ within -7%..-1%. The (9, 4) before it had absorbed three of the logits' eight by
 (token, vocabulary entry), which left the plan short where recompute makes the activations
 small and the logits the largest part (8x8@8192 on an H100, 32768-token cuts: out of memory
 at step 1)..."""
-
 ACTIVATIONS_EAGER = (16, 6)
 """...and about this many when it runs eagerly (float32 norm copies, unfused SwiGLU)."""
 LOGIT_BYTES_TRAIN = 8
 """Bytes per (token, vocabulary entry) that the actor's output head and log-softmax hold at
 once, at the start of the backward: the logits (2, bf16, kept for the backward), a float32
-buffer of the same shape that the compiled log-softmax kernel's backward computes in (4), and
-the logits' gradient it writes (2). Measured: the H100 run that ran out of memory at 32768
+buffer that the compiled log-softmax kernel's backward computes in (4), and the logits'
+gradient it writes (2). The buffer is one chunk's of algorithm.token_logprobs (8 rows): the
+whole micro-batch wherever it holds 8 rows or fewer, as every recorded cut did, and an upper
+bound beyond. Measured: the H100 run that ran out of memory at 32768
 tokens held 59.98 GiB allocated when it asked for the 8.98 GiB of that gradient, which is the
 plan's other parts plus the logits and their float32 copy, within 0.6 GiB. Counted over every
 token of a micro-batch: an upper bound, since the output head makes logits only at the
 positions that predict answer tokens (engines/models.response_logprobs), and a micro-batch's
 prompt columns can be as few as one (a batch's prompts pad to its longest)."""
-
 LOGIT_BYTES_FORWARD = 2
 """The same for a forward without gradients: the bf16 logits (the log-softmax runs in chunks)."""
 
