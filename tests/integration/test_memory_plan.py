@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from support import ONE_RANK, tiny_lm
+from support import BENCHMARKS, ONE_RANK, tiny_lm
 
 from rlinf_twoworker import run_grpo_two_worker
 from rlinf_twoworker.api.demo import demo_config, make_inputs
@@ -541,6 +541,14 @@ def test_without_a_budget_the_cuts_are_their_floors(shape_1_5b):
     assert cfg.actor.activation_checkpointing is None
 
 
+def recorded_case(model: Path, case: dict, *settings: str):
+    """A config of the scale benchmark case's batch and lengths, as its record names them,
+    with `settings` over them."""
+    overrides = [o for o in case["overrides"] if not o.startswith("reward.")]
+    prompt = f"data.max_prompt_length={case['max_prompt_length']}"
+    return gpu_config(model, *COLOCATED, *overrides, prompt, *settings)
+
+
 def recorded_plan(model: Path, case: dict) -> mp.MemoryPlan:
     """Today's plan for the settings a scale benchmark case ran with (its micro-batch cuts,
     recompute, offload, batch and lengths, as its record names them)."""
@@ -548,12 +556,9 @@ def recorded_plan(model: Path, case: dict) -> mp.MemoryPlan:
     actor, logprob = re.findall(r"actor (\d+) tokens, log-probs (\d+) tokens", cuts)[0]
     settings = case["plan_settings"]
     recompute, offload = settings["actor_recompute"], settings["actor_offload"]
-    overrides = [o for o in case["overrides"] if not o.startswith("reward.")]
-    cfg = gpu_config(
+    cfg = recorded_case(
         model,
-        *COLOCATED,
-        *overrides,
-        f"data.max_prompt_length={case['max_prompt_length']}",
+        case,
         f"runner.micro_batch_tokens={actor}",
         f"runner.logprob_micro_batch_tokens={logprob}",
         f"actor.activation_checkpointing={str(recompute).lower()}",
@@ -582,8 +587,6 @@ def test_the_plan_is_within_10_percent_of_each_recorded_peak(shape_1_5b, monkeyp
     batch and lengths, as its record names them) is within 10% of each process's nvidia-smi
     peak, either way. A plan change that drifts from the measurements fails here; a change
     to what the processes hold needs a new measurement in benchmarks/results."""
-    from support import BENCHMARKS
-
     monkeypatch.setenv("RLINF_PACK_LEFT", pack)
     saved = json.loads((BENCHMARKS / "results" / record).read_text(encoding="utf-8"))
     assert saved["scale"]["cases"], record
@@ -610,8 +613,6 @@ def test_the_plan_covers_what_the_run_that_ran_out_of_memory_held(shape_1_5b, mo
     allocates (its slack and the CUDA context aside). The plan of 190361f counted 58.6 GiB
     against the 68.96 GiB the run reached (the logits at 5 bytes a token and vocabulary entry,
     where the compiled log-softmax's backward holds 8)."""
-    from support import BENCHMARKS
-
     monkeypatch.setenv("RLINF_PACK_LEFT", "1")
     record = BENCHMARKS / "results" / "scale-8x8@8192+64x8@2048-h100.json"
     case = json.loads(record.read_text(encoding="utf-8"))["scale"]["cases"]["8x8@8192"]
@@ -622,6 +623,6 @@ def test_the_plan_covers_what_the_run_that_ran_out_of_memory_held(shape_1_5b, mo
     held = {k: v for k, v in actor.parts.items() if k not in ("allocator_slack", "cuda_context")}
     assert sum(held.values()) / GIB >= allocated + asked, (held, allocated, asked)
     # ... and the plan no longer picks those cuts on that card: its budget (78.1 GiB free).
-    cfg = gpu_config(shape_1_5b, *COLOCATED, *case["overrides"][:3])
+    cfg = recorded_case(shape_1_5b, case)
     mp.settle_plan(cfg, cfg.placement, mparts.model_shapes(cfg), {0: int(78.1 * GIB)})
     assert cfg.runner.micro_batch_tokens < 32768
