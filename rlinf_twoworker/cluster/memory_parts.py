@@ -31,9 +31,8 @@ from rlinf_twoworker import components
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.engines.config_rules import (
     CAUSAL_LM_OF_TYPE,
-    packs_left,
+    packs_rows,
     unsupported_reason_of,
-    windows_attention_of,
 )
 from rlinf_twoworker.engines.kv_memory import PREFILL_TOKENS  # the static engine's prefill cut
 from rlinf_twoworker.engines.sampling import race_compiled
@@ -314,14 +313,12 @@ def masked_rows(shape: ModelShape) -> bool:
     """Whether the log-prob and update forwards of the model of `shape` keep the masked,
     left-padded rows (engines/models._logprobs) instead of packing them: RLINF_PACK_LEFT=0 in
     this process's environment (the job's, which the components share), or a model whose
-    attention slides a window (config_rules.windows_attention_of on its config; one not known
-    counts as masked, the larger estimate)."""
-    if not packs_left():
-        return True
+    attention slides a window: config_rules.packs_rows, the engine's own rule, asked of its
+    config (one not known counts as masked, the larger estimate)."""
     if shape.config is None:
         return True
     try:
-        return windows_attention_of(shape.architecture, shape.config)
+        return not packs_rows(shape.architecture, shape.config)
     except (TypeError, AttributeError):
         return True
 

@@ -86,3 +86,12 @@ def packs_left() -> bool:
             " rows); set one of them or unset it"
         )
     return value == "1"
+
+
+def packs_rows(architecture: str, config: Any) -> bool:
+    """Whether the log-prob and update forwards of a model of `architecture` and `config` pack
+    its rows (engines/models._logprobs) rather than keep them masked and left-padded: unless
+    PACK_ENV=0 (packs_left) or the model windows its attention (windows_attention_of). The
+    engine asks it of the loaded model, the memory plan of the config it reads
+    (cluster/memory_parts.masked_rows), so the two cannot disagree."""
+    return packs_left() and not windows_attention_of(architecture, config)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from rlinf_twoworker.config.schema import MicroBatchRule
-from rlinf_twoworker.engines.config_rules import packs_left, windows_attention_of
+from rlinf_twoworker.engines.config_rules import packs_rows, windows_attention_of
 from rlinf_twoworker.errors import TwoWorkerError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -576,7 +576,8 @@ def _logprobs(
     # A model that windows its attention gets the 2-D mask: transformers builds its windowed
     # masks from it, and a 4-D one (or none, packed) would replace them.
     windowed = windows_attention(model)
-    head = model.get_output_embeddings() if packs_left() and not windowed else None
+    packed = packs_rows(type(model).__name__, model.config)
+    head = model.get_output_embeddings() if packed else None
     if head is not None:
         return _packed_logprobs(model, head, batch, fused, temperature, with_entropy, many_shapes)
     p = batch.prompt_length
