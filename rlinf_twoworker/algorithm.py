@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -75,30 +76,170 @@ def normalize_advantages(
     ]
 
 
-def _logprobs_entropy(logits: Tensor, labels: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
     x = logits.float()
+    return x / temperature if temperature != 1.0 else x
+
+
+def _pick_stats(
+    logits: Tensor, labels: Tensor, temperature: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Of x = logits / temperature (float32) at each position: log softmax(x)[label], the
+    entropy, logsumexp(x) and the softmax-weighted mean of x: the last two are all the backward
+    needs besides the logits themselves."""
+    x = _scaled(logits, temperature)
+    top = x.amax(-1, keepdim=True)
+    e = (x - top).exp()
+    total = e.sum(-1, keepdim=True)
+    lse = top + total.log()
+    mean_x = (e * x).sum(-1, keepdim=True) / total
+    picked = x.gather(-1, labels.unsqueeze(-1)) - lse
+    return picked.squeeze(-1), (lse - mean_x).squeeze(-1), lse.squeeze(-1), mean_x.squeeze(-1)
+
+
+def _pick_grad(
+    logits: Tensor,
+    labels: Tensor,
+    lse: Tensor,
+    mean_x: Tensor,
+    g_picked: Tensor | None,
+    g_entropy: Tensor | None,
+    temperature: float,
+) -> Tensor:
+    """The gradient of sum(g_picked * picked + g_entropy * entropy) with respect to `logits`,
+    in their dtype, from `_pick_stats`' lse and mean_x: pointwise (p = softmax(x)),
+    (g_picked * (onehot(label) - p) - g_entropy * p * (x - mean_x)) / temperature."""
+    x = _scaled(logits, temperature)
+    p = (x - lse.unsqueeze(-1)).exp()
+    grad = torch.zeros_like(x) if g_picked is None else -g_picked.unsqueeze(-1) * p
+    if g_picked is not None:  # the label's own term: g_picked where vocabulary entry == label
+        vocab = torch.arange(x.shape[-1], device=x.device)
+        grad = grad + (vocab == labels.unsqueeze(-1)) * g_picked.unsqueeze(-1)
+    if g_entropy is not None:
+        grad = grad - g_entropy.unsqueeze(-1) * p * (x - mean_x.unsqueeze(-1))
     if temperature != 1.0:
-        x = x / temperature
-    lse = torch.logsumexp(x, dim=-1)
-    picked = x.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = lse - (x.softmax(-1) * x).sum(-1)
-    return picked, entropy
+        grad = grad / temperature
+    return grad.to(logits.dtype)
 
 
-# The same arithmetic as one generated kernel each way: the forward reads the low-precision
-# logits once, and the backward writes their gradient directly, with no float32 copy of the
-# vocabulary-wide tensor in between. Compiled lazily, at the first call with fused=True; even
-# the torch.compile wrapper is made then, so importing this module does not import the
-# compiler stack (seconds in every process that only needs the arithmetic: the controller).
+# Each as one generated kernel: the statistics read the low-precision logits and write four
+# values a position; the gradient reads them and writes the logits' gradient, pointwise. No
+# float32 tensor the size of the logits exists on either side (autograd through the plain
+# arithmetic keeps one, or builds one for the gather's backward). Compiled lazily, at the first
+# call with fused=True; even the torch.compile wrappers are made then, so importing this module
+# does not import the compiler stack (seconds in every process that only needs the arithmetic:
+# the controller).
 @functools.cache
-def _fused_logprobs_entropy() -> Callable[..., tuple[Tensor, Tensor]]:
-    return torch.compile(_logprobs_entropy, dynamic=None)
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(fn, dynamic=None)
+
+
+def _spans(rows: int, width: int, chunk_tokens: int) -> list[tuple[slice, slice]]:
+    """(rows, columns) blocks of a [rows, width] grid in reading order, each of at most
+    `chunk_tokens` positions (at least one): whole rows together where a row fits, else
+    pieces of one row."""
+    if width <= chunk_tokens:
+        step = max(1, chunk_tokens // max(width, 1))
+        return [(slice(r, r + step), slice(0, width)) for r in range(0, rows, step)]
+    return [
+        (slice(r, r + 1), slice(c, c + chunk_tokens))
+        for r in range(rows)
+        for c in range(0, width, chunk_tokens)
+    ]
+
+
+def _mark_dynamic(*tensors: Tensor) -> None:
+    for tensor in tensors:
+        for dim in (0, 1):
+            if tensor.dim() > dim and tensor.shape[dim] > 1:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(logits / T)[label] and the entropy of each position, with a backward that
+    holds the logits and writes their gradient and nothing else the size of the logits.
+    Fused: each direction is one compiled kernel over the whole tensor; else the arithmetic
+    runs eagerly, `chunk_tokens` positions at a time (its float32 copies one chunk's)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        logits: Tensor,
+        labels: Tensor,
+        temperature: float,
+        fused: bool,
+        many_shapes: bool,
+        chunk_tokens: int,
+    ) -> tuple[Tensor, Tensor]:
+        picked, entropy, lse, mean_x = _stats(
+            logits, labels, temperature, fused, many_shapes, chunk_tokens
+        )
+        ctx.save_for_backward(logits, labels, lse, mean_x)
+        ctx.settings = (temperature, fused, many_shapes, chunk_tokens)
+        ctx.set_materialize_grads(False)
+        return picked, entropy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, g_picked: Tensor | None, g_entropy: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        logits, labels, lse, mean_x = ctx.saved_tensors
+        temperature, fused, many_shapes, chunk_tokens = ctx.settings
+        if g_picked is None and g_entropy is None:
+            return (None,) * 6
+        if fused:
+            if many_shapes:
+                _mark_dynamic(
+                    logits,
+                    labels,
+                    lse,
+                    mean_x,
+                    *(g for g in (g_picked, g_entropy) if g is not None),
+                )
+            grad = _compiled(_pick_grad)(
+                logits, labels, lse, mean_x, g_picked, g_entropy, temperature
+            )
+        else:
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+            for r, c in _spans(logits.shape[0], logits.shape[1], chunk_tokens):
+                grad[r, c] = _pick_grad(
+                    logits[r, c],
+                    labels[r, c],
+                    lse[r, c],
+                    mean_x[r, c],
+                    None if g_picked is None else g_picked[r, c],
+                    None if g_entropy is None else g_entropy[r, c],
+                    temperature,
+                )
+        return grad, None, None, None, None, None
+
+
+def _stats(
+    logits: Tensor,
+    labels: Tensor,
+    temperature: float,
+    fused: bool,
+    many_shapes: bool,
+    chunk_tokens: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if fused:
+        if many_shapes:
+            _mark_dynamic(logits, labels)
+        return _compiled(_pick_stats)(logits, labels, temperature)
+    spans = _spans(logits.shape[0], logits.shape[1], chunk_tokens)
+    if len(spans) == 1:
+        return _pick_stats(logits, labels, temperature)
+    out = [torch.empty(logits.shape[:2], device=logits.device) for _ in range(4)]
+    for r, c in spans:
+        for whole, part in zip(out, _pick_stats(logits[r, c], labels[r, c], temperature)):
+            whole[r, c] = part
+    return out[0], out[1], out[2], out[3]
 
 
 def token_logprobs(
     logits: Tensor,
     labels: Tensor,
-    chunk_size: int = 8,
+    chunk_tokens: int = 2048,
     fused: bool = False,
     temperature: float = 1.0,
     with_entropy: bool = False,
@@ -108,31 +249,28 @@ def token_logprobs(
     `with_entropy` also the entropy of each position's distribution (RLinf computes both from
     the temperature-scaled logits).
 
-    A [B, T, V] float32 log-softmax of a 152k vocabulary is gigabytes, so rows are processed
-    `chunk_size` at a time and only the per-token values are kept. Gradients flow back into
-    `logits`. fused=True computes each chunk with a `torch.compile`d kernel (same result;
-    meant for GPUs, where it saves the float32 round trips through memory). `many_shapes`
-    (calls of many rows and widths, as the length-aware cut makes): the fused kernel's first
-    compile takes its rows and width as dynamic, so later shapes reuse it.
+    A [B, T, V] float32 log-softmax of a 152k vocabulary is gigabytes, and so is its gradient:
+    only the per-token values are kept, and the backward writes the logits' gradient (in their
+    dtype) from the logits and two float32 values a position, so the logits and their
+    gradient are all it holds the size of the logits (4 bytes a (token, vocabulary entry) in
+    bf16). fused=True computes each direction with one `torch.compile`d kernel (same result;
+    meant for GPUs); else eagerly, `chunk_tokens` positions at a time. `many_shapes` (calls of
+    many rows and widths, as the length-aware cut makes): the fused kernels' first compile
+    takes the rows and width as dynamic, so later shapes reuse it.
     """
     if logits.shape[:2] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} differ")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    kernel = _fused_logprobs_entropy() if fused else _logprobs_entropy
-    parts = []
-    for start in range(0, logits.shape[0], chunk_size):
-        rows, ids = logits[start : start + chunk_size], labels[start : start + chunk_size]
-        if fused and many_shapes:
-            for tensor in (rows, ids):
-                for dim in (0, 1):
-                    if tensor.shape[dim] > 1:
-                        torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        parts.append(kernel(rows, ids, temperature))
-    logprobs = torch.cat([p[0] for p in parts], dim=0)
-    if not with_entropy:
-        return logprobs
-    return logprobs, torch.cat([p[1] for p in parts], dim=0)
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if torch.is_grad_enabled() and logits.requires_grad:
+        logprobs, entropy = _TokenLogprobs.apply(
+            logits, labels, temperature, fused, many_shapes, chunk_tokens
+        )
+    else:
+        logprobs, entropy, _, _ = _stats(
+            logits, labels, temperature, fused, many_shapes, chunk_tokens
+        )
+    return (logprobs, entropy) if with_entropy else logprobs
 
 
 def loss_weights(mask: Tensor, micro_batches: Sequence[Sequence[slice]], agg: str) -> Tensor:

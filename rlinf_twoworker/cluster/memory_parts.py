@@ -60,7 +60,7 @@ small and the logits the largest part (8x8@8192 on an H100, 32768-token cuts: ou
 at step 1)..."""
 ACTIVATIONS_EAGER = (16, 6)
 """...and about this many when it runs eagerly (float32 norm copies, unfused SwiGLU)."""
-LOGIT_BYTES_TRAIN = 8
+LOGIT_BYTES_TRAIN = 4
 """Bytes per (token, vocabulary entry) that the actor's output head and log-softmax hold at
 once, at the start of the backward: the logits (2, bf16, kept for the backward), a float32
 buffer that the compiled log-softmax kernel's backward computes in (4), and the logits'

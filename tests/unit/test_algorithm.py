@@ -65,7 +65,7 @@ def test_token_logprobs_matches_naive_gather_with_uneven_chunks(fused):
     logits = torch.randn(5, 4, 11, requires_grad=True)
     labels = torch.randint(0, 11, (5, 4))
     naive = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    chunked = token_logprobs(logits, labels, chunk_size=2, fused=fused)
+    chunked = token_logprobs(logits, labels, chunk_tokens=3, fused=fused)
     assert chunked.shape == (5, 4)
     assert torch.allclose(chunked, naive, atol=1e-6)
     (g_naive,) = torch.autograd.grad(naive.sum(), logits)
@@ -78,7 +78,7 @@ def test_token_logprobs_computes_low_precision_logits_in_float32(fused):
     torch.manual_seed(1)
     logits = (torch.randn(3, 2, 7) * 5).bfloat16()
     labels = torch.randint(0, 7, (3, 2))
-    out = token_logprobs(logits, labels, chunk_size=8, fused=fused)
+    out = token_logprobs(logits, labels, chunk_tokens=8, fused=fused)
     expected = torch.log_softmax(logits.float(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     assert out.dtype == torch.float32
     assert torch.allclose(out, expected, atol=1e-6)
@@ -92,7 +92,7 @@ def test_token_logprobs_divide_by_the_temperature_and_give_the_entropy(fused):
     logits = torch.randn(3, 4, 9, requires_grad=True)
     labels = torch.randint(0, 9, (3, 4))
     logprobs, entropy = token_logprobs(
-        logits, labels, chunk_size=2, fused=fused, temperature=0.7, with_entropy=True
+        logits, labels, chunk_tokens=3, fused=fused, temperature=0.7, with_entropy=True
     )
     scaled = torch.log_softmax(logits / 0.7, dim=-1)
     expected = scaled.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
@@ -103,6 +103,77 @@ def test_token_logprobs_divide_by_the_temperature_and_give_the_entropy(fused):
     (grad,) = torch.autograd.grad(entropy.sum(), logits)
     (naive,) = torch.autograd.grad(-(scaled.exp() * scaled).sum(), logits)
     assert torch.allclose(grad, naive, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("grads", ["logprobs", "entropy", "both"])
+@pytest.mark.parametrize("chunk_tokens", [3, 8, 4096])
+def test_token_logprobs_backward_equals_autograd_in_float64(fused, grads, chunk_tokens):
+    """The hand-written backward (from logsumexp and the softmax-weighted mean) against
+    autograd through the plain arithmetic in float64, with upstream gradients on the log-probs,
+    the entropy or both, a temperature, bf16 logits taken as a strided view (the masked path
+    slices them) and chunks of pieces of rows (3), of whole rows (8) and of everything."""
+    torch.manual_seed(3)
+    full = (torch.randn(3, 6, 17) * 3).bfloat16().requires_grad_(True)
+    logits = full[:, 1:-1]  # [3, 4, 17], not contiguous
+    labels = torch.randint(0, 17, (3, 4))
+    up_lp, up_ent = torch.randn(3, 4), torch.randn(3, 4)
+    logprobs, entropy = token_logprobs(
+        logits,
+        labels,
+        chunk_tokens=chunk_tokens,
+        fused=fused,
+        temperature=0.7,
+        with_entropy=True,
+    )
+    ref_x = (logits.detach().double() / 0.7).requires_grad_(True)
+    ref_log = torch.log_softmax(ref_x, -1)
+    ref_lp = ref_log.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(ref_log.exp() * ref_log).sum(-1)
+    assert torch.allclose(logprobs.double(), ref_lp, atol=1e-5)
+    assert torch.allclose(entropy.double(), ref_ent, atol=1e-5)
+    ours = {"logprobs": (logprobs * up_lp).sum(), "entropy": (entropy * up_ent).sum()}
+    theirs = {"logprobs": (ref_lp * up_lp).sum(), "entropy": (ref_ent * up_ent).sum()}
+    keys = ["logprobs", "entropy"] if grads == "both" else [grads]
+    (grad,) = torch.autograd.grad(sum(ours[k] for k in keys), full)
+    (ref,) = torch.autograd.grad(sum(theirs[k] for k in keys), ref_x)
+    assert grad.dtype == torch.bfloat16
+    assert torch.all(grad[:, [0, -1]] == 0)
+    # d/dlogits = d/dx / T; bf16 keeps about 3 significant digits
+    expected = ref / 0.7
+    assert torch.allclose(grad[:, 1:-1].double(), expected, atol=2e-2 * expected.abs().max())
+
+
+def test_token_logprobs_backward_allocates_nothing_larger_than_the_logits():
+    """The eager backward's largest allocation is the logits' gradient in their dtype, not a
+    float32 tensor the size of the logits (autograd through the plain arithmetic makes
+    several): the memory plan counts the logits and their gradient, 4 bytes a (token,
+    vocabulary entry) in bf16."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(4)
+    logits = torch.randn(4, 256, 2000).bfloat16().requires_grad_(True)
+    labels = torch.randint(0, 2000, (4, 256))
+    logprobs, entropy = token_logprobs(
+        logits, labels, chunk_tokens=64, temperature=0.7, with_entropy=True
+    )
+    loss = logprobs.sum() + 0.1 * entropy.sum()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss.backward()
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest == logits.numel() * logits.element_size()
+
+
+def test_token_logprobs_without_gradients_give_the_same_values():
+    """Under no_grad (inference's recompute) the values are the same arithmetic's."""
+    torch.manual_seed(5)
+    logits = torch.randn(2, 5, 13).bfloat16().requires_grad_(True)
+    labels = torch.randint(0, 13, (2, 5))
+    with_grad = token_logprobs(logits, labels, temperature=0.9, with_entropy=True)
+    with torch.no_grad():
+        without = token_logprobs(logits, labels, temperature=0.9, with_entropy=True)
+    assert torch.equal(with_grad[0], without[0]) and torch.equal(with_grad[1], without[1])
+    assert without[0].grad_fn is None
 
 
 # --- loss weights: RLinf's aggregation, token by token ----------------------------------------
