@@ -134,6 +134,16 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(fn, dynamic=None)
 
 
+EAGER_CHUNK_TOKENS = 512
+"""The positions token_logprobs computes at a time when it runs eagerly: its float32 copies
+(EAGER_CHUNK_BYTES a vocabulary entry at most) are this many positions' (0.3 GiB each at a
+152k vocabulary)."""
+EAGER_CHUNK_BYTES = 16
+"""Float32 copies the eager arithmetic holds at once, in bytes per (position, vocabulary
+entry): the scaled logits, the softmax's numerator and a product (12), and in the backward
+the scaled logits, the probabilities and a product, with the label's one-hot mask (13)."""
+
+
 def _spans(rows: int, width: int, chunk_tokens: int) -> list[tuple[slice, slice]]:
     """(rows, columns) blocks of a [rows, width] grid in reading order, each of at most
     `chunk_tokens` positions (at least one): whole rows together where a row fits, else
@@ -239,7 +249,7 @@ def _stats(
 def token_logprobs(
     logits: Tensor,
     labels: Tensor,
-    chunk_tokens: int = 2048,
+    chunk_tokens: int = EAGER_CHUNK_TOKENS,
     fused: bool = False,
     temperature: float = 1.0,
     with_entropy: bool = False,

@@ -28,6 +28,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from rlinf_twoworker import components
+from rlinf_twoworker.algorithm import EAGER_CHUNK_BYTES, EAGER_CHUNK_TOKENS
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.engines.config_rules import (
     CAUSAL_LM_OF_TYPE,
@@ -62,18 +63,17 @@ ACTIVATIONS_EAGER = (16, 6)
 """...and about this many when it runs eagerly (float32 norm copies, unfused SwiGLU)."""
 LOGIT_BYTES_TRAIN = 4
 """Bytes per (token, vocabulary entry) that the actor's output head and log-softmax hold at
-once, at the start of the backward: the logits (2, bf16, kept for the backward), a float32
-buffer that the compiled log-softmax kernel's backward computes in (4), and the logits'
-gradient it writes (2). The buffer is one chunk's of algorithm.token_logprobs (8 rows): the
-whole micro-batch wherever it holds 8 rows or fewer, as every recorded cut did, and an upper
-bound beyond. Measured: the H100 run that ran out of memory at 32768
-tokens held 59.98 GiB allocated when it asked for the 8.98 GiB of that gradient, which is the
-plan's other parts plus the logits and their float32 copy, within 0.6 GiB. Counted over every
-token of a micro-batch: an upper bound, since the output head makes logits only at the
-positions that predict answer tokens (engines/models.response_logprobs), and a micro-batch's
-prompt columns can be as few as one (a batch's prompts pad to its longest)."""
+once, at the start of the backward: the logits (2, bf16, kept for the backward) and the
+gradient that algorithm.token_logprobs' backward writes from them (2); it computes in float32
+a value at a time, with no float32 tensor the size of the logits (the compiled kernel that
+autograd differentiated held one, 8 bytes in all: on an H100 at 8x8@8192 with 32768-token
+cuts that ran out of memory, 190361f). Counted over every token of a micro-batch: an upper
+bound, since the output head makes logits only at the positions that predict answer tokens
+(engines/models.response_logprobs), and a micro-batch's prompt columns can be as few as one
+(a batch's prompts pad to its longest)."""
 LOGIT_BYTES_FORWARD = 2
-"""The same for a forward without gradients: the bf16 logits (the log-softmax runs in chunks)."""
+"""The same for a forward without gradients: the bf16 logits (the log-softmax keeps four
+float32 values a position of them)."""
 
 
 @dataclass(frozen=True)
@@ -266,6 +266,8 @@ def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool)
         "activations": activations,
         "logits": tokens * shape.vocab * LOGIT_BYTES_TRAIN,
     }
+    if not (gpu and cfg.actor.compile):  # the eager log-softmax's float32 copies of a chunk
+        parts["logits"] += min(tokens, EAGER_CHUNK_TOKENS) * shape.vocab * EAGER_CHUNK_BYTES
     if masked_rows(shape):
         # The 4-D mask and every layer's bias, kept for the backward; with recompute the
         # mask and the one layer recomputed at a time.
