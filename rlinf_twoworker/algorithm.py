@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from rlinf_twoworker.config import KL_KINDS, LOSS_AGGREGATIONS
+from rlinf_twoworker.engines.config_rules import EAGER_CHUNK_TOKENS
 
 
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
@@ -132,16 +133,6 @@ def _pick_grad(
 @functools.cache
 def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(fn, dynamic=None)
-
-
-EAGER_CHUNK_TOKENS = 512
-"""The positions token_logprobs computes at a time when it runs eagerly: its float32 copies
-(EAGER_CHUNK_BYTES a vocabulary entry at most) are this many positions' (0.3 GiB each at a
-152k vocabulary)."""
-EAGER_CHUNK_BYTES = 16
-"""Float32 copies the eager arithmetic holds at once, in bytes per (position, vocabulary
-entry): the scaled logits, the softmax's numerator and a product (12), and in the backward
-the scaled logits, the probabilities and a product, with the label's one-hot mask (13)."""
 
 
 def _spans(rows: int, width: int, chunk_tokens: int) -> list[tuple[slice, slice]]:

@@ -28,10 +28,11 @@ from types import SimpleNamespace
 from typing import Any
 
 from rlinf_twoworker import components
-from rlinf_twoworker.algorithm import EAGER_CHUNK_BYTES, EAGER_CHUNK_TOKENS
 from rlinf_twoworker.config import GRPOConfig
 from rlinf_twoworker.engines.config_rules import (
     CAUSAL_LM_OF_TYPE,
+    EAGER_CHUNK_BYTES,
+    EAGER_CHUNK_TOKENS,
     packs_rows,
     unsupported_reason_of,
 )

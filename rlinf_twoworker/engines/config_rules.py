@@ -1,6 +1,7 @@
 """What a model's config and the process's environment alone say about how the engines run it:
 whether the static rollout engine runs it, whether its attention slides a window, and so
-whether the log-prob and update forwards pack their rows or keep the masked form.
+whether the log-prob and update forwards pack their rows or keep the masked form, and how
+many positions the eager log-softmax computes at a time.
 
 These rules have no torch in them, so the memory plan (cluster/memory_parts.py) asks them of a
 model directory's config.json before any model loads, and the engines (engines/static.py,
@@ -95,3 +96,13 @@ def packs_rows(architecture: str, config: Any) -> bool:
     engine asks it of the loaded model, the memory plan of the config it reads
     (cluster/memory_parts.masked_rows), so the two cannot disagree."""
     return packs_left() and not windows_attention_of(architecture, config)
+
+
+EAGER_CHUNK_TOKENS = 512
+"""The positions algorithm.token_logprobs computes at a time when it runs eagerly (not
+compiled): its float32 copies (EAGER_CHUNK_BYTES a vocabulary entry at most) are this many
+positions' (0.3 GiB each at a 152k vocabulary), which the memory plan counts."""
+EAGER_CHUNK_BYTES = 16
+"""Float32 copies the eager arithmetic holds at once, in bytes per (position, vocabulary
+entry): the scaled logits, the softmax's numerator and a product (12), and in the backward
+the scaled logits, the probabilities and a product, with the label's one-hot mask (13)."""
