@@ -55,8 +55,9 @@ backward when its forward is compiled (fused norms and SwiGLU: the gate's and th
 projection's outputs and their product are the 3 x intermediate). Fitted together with
 LOGIT_BYTES_TRAIN to the actor's nvidia-smi peaks of the scale benchmark's records (H100 and
 H200, 1.5B shape, 2048 to 8192 tokens a row, with and without recompute; the parametrized
-test_the_plan_is_within_10_percent_of_each_recorded_peak holds the plan to them): every one
-within -7%..-1%. The (9, 4) before it had absorbed three of the logits' eight bytes a
+test_the_plan_is_within_10_percent_of_each_recorded_peak holds the plan to them, the logits
+at the 8 bytes of the log-softmax before aa6a919 where a record is older): every one within
+-7%..-1%. The (9, 4) before it had absorbed three of the logits' eight bytes a
 (token, vocabulary entry), which left the plan short where recompute makes the activations
 small and the logits the largest part (8x8@8192 on an H100, 32768-token cuts: out of memory
 at step 1)..."""
