@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -156,6 +156,15 @@ def _mark_dynamic(*tensors: Tensor) -> None:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
+class _How(NamedTuple):
+    """How token_logprobs computes (its arguments of that name)."""
+
+    temperature: float
+    fused: bool
+    many_shapes: bool
+    chunk_tokens: int
+
+
 class _TokenLogprobs(torch.autograd.Function):
     """log softmax(logits / T)[label] and the entropy of each position, with a backward that
     holds the logits and writes their gradient and nothing else the size of the logits.
@@ -164,75 +173,56 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        logits: Tensor,
-        labels: Tensor,
-        temperature: float,
-        fused: bool,
-        many_shapes: bool,
-        chunk_tokens: int,
+        ctx: Any, logits: Tensor, labels: Tensor, how: _How
     ) -> tuple[Tensor, Tensor]:
-        picked, entropy, lse, mean_x = _stats(
-            logits, labels, temperature, fused, many_shapes, chunk_tokens
-        )
+        picked, entropy, lse, mean_x = _stats(logits, labels, how)
         ctx.save_for_backward(logits, labels, lse, mean_x)
-        ctx.settings = (temperature, fused, many_shapes, chunk_tokens)
+        ctx.how = how
         ctx.set_materialize_grads(False)
         return picked, entropy
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, g_picked: Tensor | None, g_entropy: Tensor | None
-    ) -> tuple[Tensor | None, ...]:
+    ) -> tuple[Tensor | None, None, None]:
         logits, labels, lse, mean_x = ctx.saved_tensors
-        temperature, fused, many_shapes, chunk_tokens = ctx.settings
+        how: _How = ctx.how
         if g_picked is None and g_entropy is None:
-            return (None,) * 6
-        if fused:
-            if many_shapes:
-                _mark_dynamic(
-                    logits,
-                    labels,
-                    lse,
-                    mean_x,
-                    *(g for g in (g_picked, g_entropy) if g is not None),
-                )
+            return None, None, None
+        if how.fused:
+            if how.many_shapes:
+                upstream = [g for g in (g_picked, g_entropy) if g is not None]
+                _mark_dynamic(logits, labels, lse, mean_x, *upstream)
             grad = _compiled(_pick_grad)(
-                logits, labels, lse, mean_x, g_picked, g_entropy, temperature
+                logits, labels, lse, mean_x, g_picked, g_entropy, how.temperature
             )
-        else:
-            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-            for r, c in _spans(logits.shape[0], logits.shape[1], chunk_tokens):
-                grad[r, c] = _pick_grad(
-                    logits[r, c],
-                    labels[r, c],
-                    lse[r, c],
-                    mean_x[r, c],
-                    None if g_picked is None else g_picked[r, c],
-                    None if g_entropy is None else g_entropy[r, c],
-                    temperature,
-                )
-        return grad, None, None, None, None, None
+            return grad, None, None
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for r, c in _spans(logits.shape[0], logits.shape[1], how.chunk_tokens):
+            grad[r, c] = _pick_grad(
+                logits[r, c],
+                labels[r, c],
+                lse[r, c],
+                mean_x[r, c],
+                None if g_picked is None else g_picked[r, c],
+                None if g_entropy is None else g_entropy[r, c],
+                how.temperature,
+            )
+        return grad, None, None
 
 
-def _stats(
-    logits: Tensor,
-    labels: Tensor,
-    temperature: float,
-    fused: bool,
-    many_shapes: bool,
-    chunk_tokens: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if fused:
-        if many_shapes:
+def _stats(logits: Tensor, labels: Tensor, how: _How) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """_pick_stats over the whole of `logits`, as `how` says."""
+    if how.fused:
+        if how.many_shapes:
             _mark_dynamic(logits, labels)
-        return _compiled(_pick_stats)(logits, labels, temperature)
-    spans = _spans(logits.shape[0], logits.shape[1], chunk_tokens)
+        return _compiled(_pick_stats)(logits, labels, how.temperature)
+    spans = _spans(logits.shape[0], logits.shape[1], how.chunk_tokens)
     if len(spans) == 1:
-        return _pick_stats(logits, labels, temperature)
+        return _pick_stats(logits, labels, how.temperature)
     out = [torch.empty(logits.shape[:2], device=logits.device) for _ in range(4)]
     for r, c in spans:
-        for whole, part in zip(out, _pick_stats(logits[r, c], labels[r, c], temperature)):
+        for whole, part in zip(out, _pick_stats(logits[r, c], labels[r, c], how.temperature)):
             whole[r, c] = part
     return out[0], out[1], out[2], out[3]
 
@@ -263,14 +253,11 @@ def token_logprobs(
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} differ")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    how = _How(temperature, fused, many_shapes, chunk_tokens)
     if torch.is_grad_enabled() and logits.requires_grad:
-        logprobs, entropy = _TokenLogprobs.apply(
-            logits, labels, temperature, fused, many_shapes, chunk_tokens
-        )
+        logprobs, entropy = _TokenLogprobs.apply(logits, labels, how)
     else:
-        logprobs, entropy, _, _ = _stats(
-            logits, labels, temperature, fused, many_shapes, chunk_tokens
-        )
+        logprobs, entropy, _, _ = _stats(logits, labels, how)
     return (logprobs, entropy) if with_entropy else logprobs
 
 
