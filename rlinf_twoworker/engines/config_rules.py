@@ -102,7 +102,8 @@ EAGER_CHUNK_TOKENS = 512
 """The positions algorithm.token_logprobs computes at a time when it runs eagerly (not
 compiled): its float32 copies (EAGER_CHUNK_BYTES a vocabulary entry at most) are this many
 positions' (0.3 GiB each at a 152k vocabulary), which the memory plan counts."""
-EAGER_CHUNK_BYTES = 16
+EAGER_CHUNK_BYTES = 24
 """Float32 copies the eager arithmetic holds at once, in bytes per (position, vocabulary
-entry): the scaled logits, the softmax's numerator and a product (12), and in the backward
-the scaled logits, the probabilities and a product, with the label's one-hot mask (13)."""
+entry), counted op by op (torch.profiler lists each allocation): the forward holds the scaled
+logits, the softmax's numerator and their product (12); the backward's entropy term holds the
+scaled logits, the probabilities, the gradient so far and three products (24), the most."""

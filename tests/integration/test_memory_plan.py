@@ -19,6 +19,7 @@ from rlinf_twoworker.cluster import memory_parts as mparts
 from rlinf_twoworker.cluster import memory_plan as mp
 from rlinf_twoworker.cluster.connect import NAMESPACE
 from rlinf_twoworker.config import load_config, to_typed
+from rlinf_twoworker.engines.config_rules import EAGER_CHUNK_BYTES, EAGER_CHUNK_TOKENS
 from rlinf_twoworker.errors import ComponentError, TwoWorkerError
 
 GIB = 1024**3
@@ -178,6 +179,12 @@ def test_each_part_matches_the_hand_computed_size(tiny):
     assert (
         mparts.actor_parts(small, shape, 2, False)["logits"] == 1024 * 64 * mparts.LOGIT_BYTES_TRAIN
     )
+    # An actor that does not compile runs the log-softmax eagerly, EAGER_CHUNK_TOKENS (512)
+    # positions at a time: their float32 copies come on top of the 2048 tokens' logits.
+    eager = gpu_config(tiny, "actor.compile=false")
+    chunk = EAGER_CHUNK_TOKENS * 64 * EAGER_CHUNK_BYTES
+    assert EAGER_CHUNK_TOKENS < 2048
+    assert mparts.actor_parts(eager, shape, 2, False)["logits"] == actor["logits"] + chunk
 
 
 def test_masked_rows_plan_their_mask_and_each_layers_bias(tiny, tmp_path, monkeypatch):
