@@ -112,9 +112,11 @@ def _pick_grad(
     (g_picked * (onehot(label) - p) - g_entropy * p * (x - mean_x)) / temperature."""
     x = _scaled(logits, temperature)
     p = (x - lse.unsqueeze(-1)).exp()
-    grad = torch.zeros_like(x) if g_picked is None else -g_picked.unsqueeze(-1) * p
-    if g_picked is not None:  # the label's own term: g_picked where vocabulary entry == label
+    if g_picked is None:
+        grad = torch.zeros_like(x)
+    else:  # -g_picked p everywhere, and g_picked more at the label's own entry
         vocab = torch.arange(x.shape[-1], device=x.device)
+        grad = -g_picked.unsqueeze(-1) * p
         grad = grad + (vocab == labels.unsqueeze(-1)) * g_picked.unsqueeze(-1)
     if g_entropy is not None:
         grad = grad - g_entropy.unsqueeze(-1) * p * (x - mean_x.unsqueeze(-1))

@@ -243,7 +243,8 @@ def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool)
     param_dtype = cfg.actor.fsdp_config.mixed_precision.param_dtype
     compute = BYTES[param_dtype] if gpu and param_dtype else master
     tokens = micro_batch_tokens(cfg, ranks, training=True)
-    a, b = ACTIVATIONS_COMPILED if gpu and cfg.actor.compile else ACTIVATIONS_EAGER
+    compiled = gpu and cfg.actor.compile
+    a, b = ACTIVATIONS_COMPILED if compiled else ACTIVATIONS_EAGER
     per_layer = compute * (a * shape.hidden + b * shape.intermediate)
     if recompute:  # every layer's input kept, one layer's activations at a time
         activations = tokens * (shape.layers * compute * shape.hidden + per_layer)
@@ -268,7 +269,7 @@ def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool)
         "activations": activations,
         "logits": tokens * shape.vocab * LOGIT_BYTES_TRAIN,
     }
-    if not (gpu and cfg.actor.compile):  # the eager log-softmax's float32 copies of a chunk
+    if not compiled:  # the eager log-softmax's float32 copies of a chunk
         parts["logits"] += min(tokens, EAGER_CHUNK_TOKENS) * shape.vocab * EAGER_CHUNK_BYTES
     if masked_rows(shape):
         # The 4-D mask and every layer's bias, kept for the backward; with recompute the
