@@ -581,7 +581,6 @@ backward: autograd through the compiled log-softmax kept a float32 copy of them.
 RECORDS = (
     # (benchmarks/results file, RLINF_PACK_LEFT it ran with: packed by default since 68ceb13,
     # the logits' bytes of the log-softmax it ran: mparts.LOGIT_BYTES_TRAIN since aa6a919)
-    ("scale-tutorial+32x8@2048-h100.json", "1", OLD_LOG_SOFTMAX),  # 190361f
     ("scale-32x8@2048-h100.json", "0", OLD_LOG_SOFTMAX),  # 7e31182
     ("scale-32x8@2048-h200.json", "0", OLD_LOG_SOFTMAX),  # 62d2c72
     ("scale-8x8@8192+64x8@2048-h200.json", "0", OLD_LOG_SOFTMAX),  # 45f9970
@@ -589,6 +588,8 @@ RECORDS = (
     ("scale-tutorial+32x8@2048-h200.json", "0", OLD_LOG_SOFTMAX),  # 401c6ef
     ("scale-tutorial+memory40-h100.json", "0", OLD_LOG_SOFTMAX),  # 77e0af1
     ("scale-32x8@2048-own_backward-h100.json", "1", mparts.LOGIT_BYTES_TRAIN),  # aa6a919
+    ("scale-tutorial+32x8@2048-h100.json", "1", mparts.LOGIT_BYTES_TRAIN),  # 30e0349
+    ("scale-64x8@2048-h100.json", "1", mparts.LOGIT_BYTES_TRAIN),  # 30e0349
 )
 
 
