@@ -286,18 +286,28 @@ ACTOR_CUTS = (65536, 49152, 32768, 24576, 16384, 12288, 8192, 6144, MICRO_BATCH_
 """runner.micro_batch_tokens values the plan tries when it is null (largest first)."""
 LOGPROB_CUTS = (65536, 49152, 32768, 24576, LOGPROB_MICRO_BATCH_TOKENS_FLOOR)
 """runner.logprob_micro_batch_tokens values the plan tries when it is null."""
-ACTOR_CUT_OVERHEAD_TOKENS = 6500
-"""The cost model's fixed cost of one actor micro-batch, in tokens of compute: on an H200 at the
-1.5B shape (32 x 8 answers of 2048 tokens) the update took 20.8 s in 4096-token micro-batches
-and 11.2 s in 16384-token ones, which a fixed cost of about 6,500 tokens a cut explains."""
+ACTOR_CUT_OVERHEAD_TOKENS = 2500
+"""The cost model's fixed cost of one actor micro-batch, in tokens of compute: mostly the host's
+time to launch it, which the GPU waits for at small cuts. Fitted on H100s at the 1.5B shape,
+32 x 8 answers of 2048 tokens, the actor's update in whole steps: 8192-token cuts with
+recompute 15.11 s against 4096 without 13.71 (two H100 hosts of one session; 2,200 tokens),
+6144 with recompute 15.08 s against 4096 with 17.40 (one machine; 2,700); the update alone
+(`python -m benchmarks actor_step`, 32 rows, no recompute) 1.52 s a 65,536-token update at
+8192 against 1.39 at 16384 (1,900), the GPU busy 80% and 87% of the profiled update there and
+49% at 4096
+(`benchmarks/results/actor_step-32x8@2048-cuts_recompute-h100.txt`). The 6,500 before it was
+fitted to the first code's 20.8 s against 11.2 s and picked 8192-token cuts with recompute
+where 4096 without was faster."""
 AUTO_SHARE = 0.90
 """A cut the plan grows past its floor must leave 10% of each GPU's budget unplanned: the
 library's own choice keeps a margin for what the estimate misses (on an H200 the per-process
 estimates came within -10%..+5% of nvidia-smi's peaks, memory_parts.ACTIVATIONS_COMPILED); the
 floors, the library's former fixed defaults, and the user's values are held to the whole
 budget, as before."""
-LOGPROB_CUT_OVERHEAD_TOKENS = 2000
-"""The same for a log-prob forward (no backward, no optimiser: a smaller fixed cost)."""
+LOGPROB_CUT_OVERHEAD_TOKENS = 500
+"""The same for a log-prob forward (no backward, no optimiser: a smaller fixed cost). Fitted in
+the same call: the forward over 32 x 2048 tokens took 0.448 s in 4096-token cuts, 0.428 in
+8192 and 0.414 in 16384 (medians of 3; about 500 tokens a cut)."""
 
 
 @dataclass(frozen=True)
