@@ -382,7 +382,8 @@ def ppo_loss(
         metrics = {
             "policy_loss": policy.detach(),
             "ratio_mean": (metric_weights * live_ratio).sum(),
-            "ratio_max": live_ratio.max() if bool(valid.any()) else live_ratio.new_zeros(()),
+            # No valid token: 0, as every entry is (a test of valid.any() would sync).
+            "ratio_max": live_ratio.max() if live_ratio.numel() else live_ratio.new_zeros(()),
             "clip_fraction": (metric_weights * (unclipped < clipped)).sum(),
             "dual_clip_fraction": (metric_weights * dual).sum(),
             "approx_kl": -(metric_weights * log_ratio).sum(),

@@ -39,6 +39,7 @@ from rlinf_twoworker.engines.models import (
     micro_batches,
     response_logprobs,
     run_or_eager,
+    to_device,
 )
 from rlinf_twoworker.engines.offload import ActorOffload, collect_garbage, settle_heap
 from rlinf_twoworker.engines.weight_sync import export_weights, send_weights
@@ -175,7 +176,10 @@ def computing_in(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[
     backward compute in `dtype` and each gradient reaches the master weight's .grad cast back
     to its dtype. That is what FSDP2's mixed precision computes at one rank (its all-gather
     is the cast, its reduce-scatter the cast back). Keep it open across the backward pass:
-    a layer recomputed there (activation checkpointing) reads the same casts. dtype None, or
+    a layer recomputed there (activation checkpointing) reads the same casts. Kept open over
+    the micro-batches of one optimiser step, the parameters are cast once a step: each
+    micro-batch's backward goes through the same casts (a cast saves no tensor for its
+    backward) and adds its gradient to .grad as before. dtype None, or
     the parameters' own: nothing changes. torch.func.functional_call swaps parameters the
     same way but only around the forward call."""
     slots = [
@@ -332,33 +336,36 @@ class ActorWorker(Worker):
         sums: dict[str, torch.Tensor] = {}  # weighted metric sums, kept on the device
         maxes = torch.zeros(2, device=self.device)
         cut, trim = self.settings.micro_batch, self.settings.trim_padding_multiple
-        for rows in micro_batches(shard.batch, cut, trim):
-            part = shard.batch.rows(rows).to(self.device)
-            with computing_in(self.model, self.compute_dtype):
+
+        def rows_of(tensor: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+            return to_device(tensor[rows], self.device)
+
+        # One cast of the parameters for every micro-batch: they change only at the step.
+        with computing_in(self.model, self.compute_dtype):
+            for rows in micro_batches(shard.batch, cut, trim):
+                part = shard.batch.rows(rows).to(self.device)
                 logprobs, entropy = self._logprobs(part)
-                old = shard.old_logprobs[rows].to(self.device)
+                old = rows_of(shard.old_logprobs, rows)
                 loss, metrics = ppo_loss(
                     logprobs,
                     old,
-                    shard.advantages[rows].to(self.device),
-                    shard.weights[rows].to(self.device),
-                    shard.metric_weights[rows].to(self.device),
+                    rows_of(shard.advantages, rows),
+                    rows_of(shard.weights, rows),
+                    rows_of(shard.metric_weights, rows),
                     settings,
                     entropy,
-                    None
-                    if shard.ref_logprobs is None
-                    else shard.ref_logprobs[rows].to(self.device),
+                    None if shard.ref_logprobs is None else rows_of(shard.ref_logprobs, rows),
                 )
                 # FSDP averages gradients over the ranks; the scaler multiplies by its scale.
                 self.scaler.scale(loss * world).backward()
-            metrics["final_loss"] = loss.detach()
-            metrics["tokens"] = part.response_mask.sum().float()
-            maxes[0] = torch.maximum(maxes[0], metrics.pop("ratio_max"))
-            for key, value in metrics.items():
-                sums[key] = sums[key] + value if key in sums else value
-            if first:
-                diff = ((logprobs.detach() - old).abs() * part.response_mask).max()
-                maxes[1] = torch.maximum(maxes[1], diff)
+                metrics["final_loss"] = loss.detach()
+                metrics["tokens"] = part.response_mask.sum().float()
+                maxes[0] = torch.maximum(maxes[0], metrics.pop("ratio_max"))
+                for key, value in metrics.items():
+                    sums[key] = sums[key] + value if key in sums else value
+                if first:
+                    diff = ((logprobs.detach() - old).abs() * part.response_mask).max()
+                    maxes[1] = torch.maximum(maxes[1], diff)
         return sums, maxes
 
     def _logprobs(self, part: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -404,9 +404,10 @@ def test_a_checkpoint_staged_in_host_buffers_restores_the_trained_state(
     assert any(t.abs().sum() > 0 for t in trained.values())  # a real state, not zeros
 
 
-def _mixed_precision_grads(world, wrapped: bool, dtype: str, recompute: bool):
-    """One micro-batch's log-probs and gradients of the test model computing in `dtype`, in
-    FSDP2's wrapper (its MixedPrecisionPolicy) or unwrapped under `computing_in`."""
+def _mixed_precision_grads(world, wrapped: bool, dtype: str, recompute: bool, parts: int):
+    """The log-probs and gradients of the test model computing in `dtype` over a batch of 3
+    rows in `parts` micro-batches, in FSDP2's wrapper (its MixedPrecisionPolicy) or unwrapped
+    under one `computing_in` for all of them (as the actor holds it over an optimiser step)."""
     inputs, _ = world
     model = load_causal_lm(inputs.model_path, torch.float32, torch.device("cpu"))
     precision = MixedPrecision(param_dtype=dtype, reduce_dtype="fp32")
@@ -424,26 +425,34 @@ def _mixed_precision_grads(world, wrapped: bool, dtype: str, recompute: bool):
     seen: list[torch.dtype] = []
     model.model.layers[0].mlp.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
     batch = _batch(3, 20, 8)
+    outs = []
     with computing_in(model, cast):
-        logprobs = response_logprobs(model, batch)
-        (logprobs * batch.response_mask).sum().backward()
+        for rows in torch.arange(3).tensor_split(parts):
+            part = batch.rows(rows)
+            logprobs = response_logprobs(model, part)
+            (logprobs * part.response_mask).sum().backward()
+            outs.append(logprobs.detach())
+    logprobs = torch.cat(outs)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters, back
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
     assert set(seen) == {DTYPES[dtype]}
     return logprobs.detach(), {n: full(p.grad).clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("parts", [1, 3], ids=["one_micro_batch", "three_micro_batches"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_one_rank_without_the_wrapper_computes_fsdp2s_mixed_precision_gradient(
-    world, dtype, recompute
+    world, dtype, recompute, parts
 ):
     """At one actor rank the model trains unwrapped (actor.fsdp_at_one_rank=false): its
     parameters cast to param_dtype for the forward and the backward (a recomputed layer reads
     the same casts), each gradient cast back to the fp32 master. The log-probs and every
-    gradient equal FSDP2's at one rank, bit for bit (the same kernels on the same values)."""
-    fsdp_logprobs, fsdp = _mixed_precision_grads(world, True, dtype, recompute)
-    logprobs, grads = _mixed_precision_grads(world, False, dtype, recompute)
+    gradient equal FSDP2's at one rank, bit for bit (the same kernels on the same values),
+    also where the casts made once serve several micro-batches, each backward adding its
+    gradient to the fp32 master's as FSDP2's reduce-scatter does."""
+    fsdp_logprobs, fsdp = _mixed_precision_grads(world, True, dtype, recompute, parts)
+    logprobs, grads = _mixed_precision_grads(world, False, dtype, recompute, parts)
     assert torch.equal(logprobs, fsdp_logprobs)
     assert grads.keys() == fsdp.keys()
     for name, grad in fsdp.items():

@@ -276,6 +276,19 @@ def test_clipped_loss_at_known_ratios():
     assert m["approx_kl"].item() == pytest.approx(k1)
 
 
+def test_ratio_max_is_over_the_valid_tokens_and_zero_without_any():
+    """The largest ratio among the tokens that count (a masked token's ratio is not seen,
+    however large), and 0 where none counts; computed without asking the device whether any
+    counts (no host sync a micro-batch)."""
+    logprobs, old, w = _tokens([1.5, 3.0, 0.5])
+    w[1, 0] = 0.0  # the 3.0 is masked out (one token a row)
+    _, m = ppo_loss(logprobs, old, torch.tensor([1.0, 1.0, 1.0]), w, w, PolicyLoss())
+    assert m["ratio_max"].item() == pytest.approx(1.5)
+    none = torch.zeros_like(w)
+    _, m = ppo_loss(logprobs, old, torch.tensor([1.0, 1.0, 1.0]), none, none, PolicyLoss())
+    assert m["ratio_max"].item() == 0.0
+
+
 def test_asymmetric_clip_uses_low_and_high():
     settings = PolicyLoss(clip_low=0.2, clip_high=0.28)
     loss, m = _loss([1.3, 0.7], [1.0, -1.0], settings)
