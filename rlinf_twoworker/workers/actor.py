@@ -172,16 +172,19 @@ def prepare_for_training(
 @contextlib.contextmanager
 def computing_in(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
     """While open, each parameter of `model` is its cast to `dtype` (one cast for parameters
-    that are tied), a tensor autograd leads back to the master parameter: the forward and
-    backward compute in `dtype` and each gradient reaches the master weight's .grad cast back
-    to its dtype. That is what FSDP2's mixed precision computes at one rank (its all-gather
-    is the cast, its reduce-scatter the cast back). Keep it open across the backward pass:
-    a layer recomputed there (activation checkpointing) reads the same casts. Kept open over
-    the micro-batches of one optimiser step, the parameters are cast once a step: each
-    micro-batch's backward goes through the same casts (a cast saves no tensor for its
-    backward) and adds its gradient to .grad as before. dtype None, or
-    the parameters' own: nothing changes. torch.func.functional_call swaps parameters the
-    same way but only around the forward call."""
+    that are tied): the forward and backward compute in `dtype` and each gradient reaches the
+    master weight's .grad cast back to its dtype. That is what FSDP2's mixed precision
+    computes at one rank (its all-gather is the cast, its reduce-scatter the cast back). Keep
+    it open across the backward pass: a layer recomputed there (activation checkpointing)
+    reads the same casts. Kept open over the micro-batches of one optimiser step, the
+    parameters are cast once a step, not once a micro-batch.
+
+    Each cast is a leaf of its own whose gradient, once autograd has summed it, is added to
+    the master's .grad and dropped (`_to_master`): one kernel that reads the low-precision
+    gradient and adds it in the master's precision, where autograd through the cast would
+    write it cast back and then add that (the same values; a third less memory traffic and
+    half the kernels). dtype None, or the parameters' own: nothing changes.
+    torch.func.functional_call swaps parameters the same way but only around the forward."""
     slots = [
         (module, name, param)
         for module in model.modules()
@@ -189,15 +192,37 @@ def computing_in(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[
         if param is not None and dtype is not None and param.dtype != dtype
     ]
     casts: dict[int, torch.Tensor] = {}
+    hooks = []
     for module, name, param in slots:
         if id(param) not in casts:
-            casts[id(param)] = param.to(dtype)
+            cast = param.detach().to(dtype).requires_grad_(param.requires_grad)
+            if param.requires_grad:
+                hooks.append(cast.register_post_accumulate_grad_hook(_to_master(param)))
+            casts[id(param)] = cast
         module._parameters[name] = casts[id(param)]  # type: ignore[assignment]
     try:
         yield
     finally:
+        for hook in hooks:
+            hook.remove()
         for module, name, param in slots:
             module._parameters[name] = param
+
+
+def _to_master(master: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """A cast's post-accumulate hook: its gradient added to `master`'s .grad (or, the first,
+    set as it, cast to the master's dtype), then dropped from the cast."""
+
+    def add(cast: torch.Tensor) -> None:
+        grad, cast.grad = cast.grad, None
+        if grad is None:
+            return
+        if master.grad is None:
+            master.grad = grad.to(master.dtype)
+        else:
+            master.grad.add_(grad)
+
+    return add
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
