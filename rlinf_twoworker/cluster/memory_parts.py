@@ -259,8 +259,8 @@ def actor_parts(cfg: GRPOConfig, shape: ModelShape, ranks: int, recompute: bool)
     shard = -(-shape.params // ranks)
     # Gathered layers: the one computing and the next one prefetched, or, with
     # reshard_after_forward=false, every layer from its forward to its backward. Without the
-    # wrapper (one rank): every layer's cast from its forward to its backward, none when the
-    # master weights compute themselves.
+    # wrapper (one rank): every layer's cast, held over the optimiser step's micro-batches
+    # (actor.computing_in), none when the master weights compute themselves.
     wraps = cfg.actor.fsdp_wraps(ranks, gpu)
     if wraps:
         kept_layers = 2 if cfg.actor.fsdp_config.reshard_after_forward else shape.layers
