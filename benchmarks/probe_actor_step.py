@@ -1,7 +1,7 @@
 """Where one GRPO step's actor update goes at the tutorial job's shape, on one GPU.
 
     python -m benchmarks actor_step [--rows 16] [--group 2] [--seq 1024] [--prompt 256] [--cut 4096]
-        [--lengths full|varied|short_prompts] [--override KEY=VALUE ...]
+        [--lengths full|varied|short_prompts] [--also-cuts 8192,16384] [--override KEY=VALUE ...]
 
 The library's ActorWorker, built as a run builds it (one rank of an NCCL group: unwrapped with
 FSDP2's mixed precision, or FSDP2 with --override actor.fsdp_at_one_rank=true; compiled
@@ -26,6 +26,7 @@ their own CPU time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -96,6 +97,13 @@ def main() -> None:
         "answer tokens), as a trained model's answers are; short_prompts: prompts of "
         f"{SHORT_PROMPT} tokens left-padded to --prompt, answers at the limit (the tutorial "
         "job's rows with the benchmarks' random model)",
+    )
+    parser.add_argument(
+        "--also-cuts",
+        default="",
+        help="comma-separated further runner.micro_batch_tokens values timed on the same model "
+        "after the profiled update (one warm-up and three timed updates each): a cost-model "
+        "fit by cut in one process, without building and compiling the model again",
     )
     parser.add_argument(
         "--override",
@@ -190,6 +198,18 @@ def main() -> None:
     with profile(activities=activities) as prof:
         wall, stats = update()
     kernels = _table(prof, "self_device_time_total", 25, gpu=True)
+    also = {}
+    for cut in [int(c) for c in args.also_cuts.split(",") if c]:
+        actor.settings = dataclasses.replace(
+            actor.settings, micro_batch=cfg.micro_batch_rule(True, cut)
+        )
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        update()  # compiles for the cut's shapes
+        seconds = [update()[0] for _ in range(3)]
+        also[cut] = {"update_s": seconds}
+        if cuda:
+            also[cut]["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     actor.model.eval()
     logprob_s = [logprobs() for _ in range(4)][1:]  # the first compiles the no-grad graphs
     real = int(batch.attention_mask.sum())
@@ -213,6 +233,7 @@ def main() -> None:
         "gpu_busy_share": round(gpu_ms / 1000 / wall, 3),
         "kernels": kernels,
         "host_ops": _table(prof, "self_cpu_time_total", 30, gpu=False),
+        "also_cuts": also,
     }
     if cuda:  # what the update holds at its peak: the figure a memory-plan change must keep
         out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
