@@ -213,10 +213,9 @@ def _to_master(master: torch.Tensor) -> Callable[[torch.Tensor], None]:
     """A cast's post-accumulate hook: its gradient added to `master`'s .grad (or, the first,
     set as it, cast to the master's dtype), then dropped from the cast."""
 
-    def add(cast: torch.Tensor) -> None:
+    def add(cast: torch.Tensor) -> None:  # called once autograd has set cast.grad
         grad, cast.grad = cast.grad, None
-        if grad is None:
-            return
+        assert grad is not None
         if master.grad is None:
             master.grad = grad.to(master.dtype)
         else:

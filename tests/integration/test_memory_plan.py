@@ -559,18 +559,24 @@ def recorded_case(model: Path, case: dict, *settings: str):
     return gpu_config(model, *COLOCATED, *overrides, prompt, *settings)
 
 
+def recorded_cuts(case: dict) -> mp.Cuts:
+    """The micro-batch cuts and recompute a scale benchmark case ran with (its record's
+    MEMORY_PLAN line and plan settings)."""
+    (cuts,) = [line for line in case["memory_plan_lines"] if line.startswith("micro-batches")]
+    actor, logprob = re.findall(r"actor (\d+) tokens, log-probs (\d+) tokens", cuts)[0]
+    return mp.Cuts(int(actor), int(logprob), case["plan_settings"]["actor_recompute"])
+
+
 def recorded_plan(model: Path, case: dict) -> mp.MemoryPlan:
     """Today's plan for the settings a scale benchmark case ran with (its micro-batch cuts,
     recompute, offload, batch and lengths, as its record names them)."""
-    (cuts,) = [line for line in case["memory_plan_lines"] if line.startswith("micro-batches")]
-    actor, logprob = re.findall(r"actor (\d+) tokens, log-probs (\d+) tokens", cuts)[0]
-    settings = case["plan_settings"]
-    recompute, offload = settings["actor_recompute"], settings["actor_offload"]
+    cuts = recorded_cuts(case)
+    recompute, offload = cuts.recompute, case["plan_settings"]["actor_offload"]
     cfg = recorded_case(
         model,
         case,
-        f"runner.micro_batch_tokens={actor}",
-        f"runner.logprob_micro_batch_tokens={logprob}",
+        f"runner.micro_batch_tokens={cuts.actor_tokens}",
+        f"runner.logprob_micro_batch_tokens={cuts.logprob_tokens}",
         f"actor.activation_checkpointing={str(recompute).lower()}",
         f"actor.enable_offload={str(offload).lower()}",
     )
@@ -646,12 +652,10 @@ def test_the_cost_model_orders_the_recorded_updates_as_they_ran(shape_1_5b):
     for record in UPDATES_32X8_H100:
         saved = json.loads((BENCHMARKS / "results" / record).read_text(encoding="utf-8"))
         case = saved["scale"]["cases"]["32x8@2048"]
-        (cuts,) = [line for line in case["memory_plan_lines"] if line.startswith("micro-batches")]
-        actor, logprob = map(int, re.findall(r"actor (\d+) tokens, log-probs (\d+)", cuts)[0])
-        recompute = case["plan_settings"]["actor_recompute"]
-        cfg = recorded_case(shape_1_5b, case)
-        assert logprob == 16384, record  # the same log-prob cut: the costs differ by the update
-        cost = mp.Cuts(actor, logprob, recompute).cost(cfg, 1)
+        cuts = recorded_cuts(case)
+        # The same log-prob cut: the costs differ by the update.
+        assert cuts.logprob_tokens == 16384, record
+        cost = cuts.cost(recorded_case(shape_1_5b, case), 1)
         runs.append((record, cost, case["median_stage_s"]["time/actor/training"]))
     assert len({cost for _, cost, _ in runs}) == 2  # two cuts to order
     for first, cost_a, seconds_a in runs:
