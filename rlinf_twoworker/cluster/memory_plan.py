@@ -286,18 +286,18 @@ ACTOR_CUTS = (65536, 49152, 32768, 24576, 16384, 12288, 8192, 6144, MICRO_BATCH_
 """runner.micro_batch_tokens values the plan tries when it is null (largest first)."""
 LOGPROB_CUTS = (65536, 49152, 32768, 24576, LOGPROB_MICRO_BATCH_TOKENS_FLOOR)
 """runner.logprob_micro_batch_tokens values the plan tries when it is null."""
-ACTOR_CUT_OVERHEAD_TOKENS = 2500
-"""The cost model's fixed cost of one actor micro-batch, in tokens of compute: mostly the host's
-time to launch it, which the GPU waits for at small cuts. Fitted on H100s at the 1.5B shape,
-32 x 8 answers of 2048 tokens, the actor's update in whole steps: 8192-token cuts with
-recompute 15.11 s against 4096 without 13.71 (two H100 hosts of one session; 2,200 tokens),
-6144 with recompute 15.08 s against 4096 with 17.40 (one machine; 2,700); the update alone
-(`python -m benchmarks actor_step`, 32 rows, no recompute) 1.52 s a 65,536-token update at
-8192 against 1.39 at 16384 (1,900), the GPU busy 80% and 87% of the profiled update there and
-49% at 4096
-(`benchmarks/results/actor_step-32x8@2048-cuts_recompute-h100.txt`). The 6,500 before it was
-fitted to the first code's 20.8 s against 11.2 s and picked 8192-token cuts with recompute
-where 4096 without was faster."""
+ACTOR_CUT_OVERHEAD_TOKENS = 800
+"""The cost model's fixed cost of one actor micro-batch, in tokens of compute: the host's time to
+launch it and the per-cut work that does not grow with its tokens. Fitted on an H100 at the 1.5B
+shape, the update alone over 32 x 8 answers of 2048 tokens (`python -m benchmarks actor_step`,
+65,536 tokens an update; `benchmarks/results/actor_step-32x8@2048-cuts_recompute-casts_once-
+h100.txt`, 329edfb): without recompute 1.512 s at 4096-token cuts, 1.396 at 8192, 1.330 at
+16384 (740 and 860 tokens a cut between neighbours); with it 1.906, 1.724, 1.667 (970 and 580).
+The 2,500 before it was fitted before the update stopped waiting on the host in every
+micro-batch (afe8f0d, 71257f5: the GPU busy 49% of a 4096-token update then, 92% now), and
+6,500 before that to the first code's 20.8 s against 11.2 s, which picked 8192-token cuts with
+recompute where 4096 without was faster (`test_the_cost_model_orders_...` in
+tests/integration/test_memory_plan.py holds the model to both measurements)."""
 AUTO_SHARE = 0.90
 """A cut the plan grows past its floor must leave 10% of each GPU's budget unplanned: the
 library's own choice keeps a margin for what the estimate misses (on an H200 the per-process
