@@ -493,12 +493,23 @@ def _updates(results: Sequence[Any]) -> dict[str, Any]:
     return {"real": bool(real), "per_step": per}
 
 
+PER_STEP_STAGES = (
+    "time/step",
+    "time/rollout",
+    "time/inference",
+    "time/actor/training",
+    "time/sync_weights",
+)
+"""The stage timings each step of per_step keeps (the record's names without "time/")."""
+
+
 def per_step(
     results: Sequence[Any], sampler: GpuUseSampler | GpuUseSamplers, names: dict[int, str]
 ) -> list:
     """Each step's nvidia-smi peaks (the GPU's and each process's, from the previous step's
-    end to its own), each process's host RSS after it (its memory/<c>/<r>/host_rss_gib) and
-    its seconds in torch.compile during it (compile/<c>/<r>/seconds)."""
+    end to its own), each process's host RSS after it (its memory/<c>/<r>/host_rss_gib), its
+    stage seconds (PER_STEP_STAGES) and mean answer length, and each process's seconds in
+    torch.compile during it (compile/<c>/<r>/seconds)."""
     out = []
     start = sampler.started_at or None
     for r in results:
@@ -526,6 +537,14 @@ def per_step(
                     sampler.peak_by_pid(start, end), names, sampler.ancestors, sampler.commands
                 ),
                 "host_rss_gib": rss,
+                # Each step's stage seconds and mean answer length: a step that ran faster or
+                # slower says which stage did, and whether the answers' length moved with it.
+                "stage_s": {
+                    k.split("/", 1)[1]: round(r.timings[k], 3)
+                    for k in PER_STEP_STAGES
+                    if k in r.timings
+                },
+                "response_length": r.metrics.get("rollout/response_length"),
                 # Seconds each process spent in torch.compile during the step (a slow later
                 # step that compiled again shows here).
                 "compile_s": {

@@ -8,12 +8,13 @@ Part 1: one layer's decode attention, 1.5B shape (12 heads, 2 KV heads, head_dim
 of 2304 columns; B slots, read width W, every slot filled to W ("full") or to a uniform length
 in [256, W] ("mixed"); microseconds per call (CUDA events, median of 5 x 50 calls) and the
 largest difference from a float32 reference. Part 2: the sampler's generate() at B slots and N
-new tokens after a 256-token prompt, GRPO groups of 8 answers a prompt, each attention (and the
-kernel on distinct prompts, which share nothing), seconds and generated tokens/s. Part 3: the
-kernel table of a decode. Part 4: the sampler's generate() as in part 2 (groups of 8, the
-attention the sampler picks) with the sampling race compiled (the default: its noise drawn
-inside the compiled pass), compiled with the noise drawn beforehand by exponential_ ("given",
-the race before the draw moved inside) and eager, the three interleaved.
+new tokens after a 256-token prompt (--generate-cases), GRPO groups of 8 answers a prompt,
+each attention (and the kernel on distinct prompts, which share nothing), seconds and
+generated tokens/s. Part 3: the kernel table of a decode. Part 4: the sampler's generate() as
+in part 2 (groups of 8, the attention the sampler picks) with the sampling race compiled (the
+default: its noise drawn inside the compiled pass), compiled with the noise drawn beforehand
+by exponential_ ("given", the race before the draw moved inside) and eager, the three
+interleaved.
 """
 
 from __future__ import annotations
@@ -245,12 +246,22 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--parts", default="1,2,3")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--generate-cases",
+        default="256x1792,16x768",
+        help="part 2's (slots)x(new tokens) cases, comma-separated (64x7936: 8x8@8192's rollout)",
+    )
     args = parser.parse_args()
+    try:
+        cases = [tuple(int(n) for n in c.split("x")) for c in args.generate_cases.split(",")]
+        assert all(len(c) == 2 and min(c) > 0 for c in cases)
+    except (ValueError, AssertionError):
+        parser.error(f"--generate-cases {args.generate_cases!r}: expected SLOTSxNEW[,SLOTSxNEW]")
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if "1" in args.parts:
         result["attention"] = part1()
     if "2" in args.parts:
-        result["generate"] = part2([(256, 1792), (16, 768)], args.repeats)
+        result["generate"] = part2(cases, args.repeats)
     if "3" in args.parts:
         result["profile"] = part3()
     if "4" in args.parts:

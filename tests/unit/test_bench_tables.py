@@ -374,6 +374,15 @@ def test_scale_summary_and_table(scale, tmp_path):
         "driver": 1.0,
     }
     assert by_step[2]["host_rss_gib"] == {"actor:0": 24.03, "reward:0": 0.13}
+    # Each step's own stage seconds and answer length (a step's time is told apart by stage).
+    assert [s["stage_s"]["rollout"] for s in by_step] == [20.0, 19.0, 19.5]
+    assert by_step[1]["stage_s"] == {
+        "step": 38.0,
+        "rollout": 19.0,
+        "inference": 4.0,
+        "actor/training": 10.0,
+    }
+    assert [s["response_length"] for s in by_step] == [1792.0] * 3
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

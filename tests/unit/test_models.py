@@ -17,6 +17,7 @@ from rlinf_twoworker.engines.models import (
     micro_batches,
     response_logprobs,
     run_or_eager,
+    to_device,
 )
 from rlinf_twoworker.errors import TwoWorkerError
 from rlinf_twoworker.workers.rollout import left_pad, response_mask
@@ -157,6 +158,34 @@ def _two_layers_of_the_1_5b_attention_on_the_gpu():
         attn_implementation="sdpa",
     )
     return Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
+
+
+def test_to_device_leaves_a_cpu_target_or_a_gpu_source_to_a_plain_copy():
+    """to_device's CPU branch: a CPU tensor bound for the CPU is the tensor itself (no pinned
+    copy is made where no GPU reads it)."""
+    rows = torch.arange(12).reshape(3, 4)
+    assert to_device(rows, torch.device("cpu")) is rows
+
+
+@pytest.mark.gpu
+def test_to_device_queues_the_copy_behind_running_kernels_and_keeps_the_values():
+    """to_device's GPU branch: while a kernel still runs on the stream, the copy of a CPU
+    batch returns without waiting for it (a copy from pageable memory would have waited for
+    the stream to drain), and once the stream has run the GPU holds the batch's values, even
+    where the CPU tensor changed after the call (the copy is from a pinned copy of it)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device = torch.device("cuda")
+    batch = torch.randint(0, 150000, (64, 2048))
+    expected = batch.clone()
+    done = torch.cuda.Event()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles
+    done.record()
+    on_gpu = to_device(batch, device)
+    assert not done.query(), "to_device waited for the stream's running kernel"
+    batch.zero_()
+    torch.cuda.synchronize()
+    assert on_gpu.device.type == "cuda" and torch.equal(on_gpu.cpu(), expected)
 
 
 @pytest.mark.gpu
