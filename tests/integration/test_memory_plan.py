@@ -722,13 +722,11 @@ def test_the_plan_covers_what_the_run_that_ran_out_of_memory_held(shape_1_5b, mo
     held = {k: v for k, v in actor.parts.items() if k not in ("allocator_slack", "cuda_context")}
     float32_copy = 2 * asked
     assert sum(held.values()) / GIB >= allocated + asked - float32_copy, (held, allocated, asked)
-    # The same cuts with token_logprobs' own backward (aa6a919) ran both steps, the actor's
-    # nvidia-smi peak within 10% of today's plan (every process: it is one of RECORDS).
-    record = BENCHMARKS / "results" / "scale-8x8@8192-own_backward-h100.json"
-    again = json.loads(record.read_text(encoding="utf-8"))["scale"]["cases"]["8x8@8192"]
+    # The same cuts with token_logprobs' own backward (aa6a919) ran both steps and verified;
+    # each process's peak against today's plan is checked with the other records (RECORDS).
+    record = "scale-8x8@8192-own_backward-h100.json"
+    assert record in {r for r, _, _ in RECORDS}
+    again = json.loads((BENCHMARKS / "results" / record).read_text(encoding="utf-8"))
+    again = again["scale"]["cases"]["8x8@8192"]
     assert again["steps_done"] == 2 and again["verification_passed"]
-    plan = recorded_plan(shape_1_5b, again)
     assert "actor 32768 tokens" in " ".join(again["memory_plan_lines"])
-    (actor,) = [p for g in plan.gpus for p in g.processes if p.component == "actor"]
-    (row,) = [r for r in again["plan_vs_nvidia_smi"] if r["process"] == "actor:0"]
-    assert abs(row["nvidia_smi_peak_gib"] / (actor.total / GIB) - 1) <= 0.10, row
