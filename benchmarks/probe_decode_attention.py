@@ -252,11 +252,10 @@ def main() -> None:
         help="part 2's (slots)x(new tokens) cases, comma-separated (64x7936: 8x8@8192's rollout)",
     )
     args = parser.parse_args()
-    try:
-        cases = [tuple(int(n) for n in c.split("x")) for c in args.generate_cases.split(",")]
-        assert all(len(c) == 2 and min(c) > 0 for c in cases)
-    except (ValueError, AssertionError):
+    fields = [c.split("x") for c in args.generate_cases.split(",")]
+    if not all(len(c) == 2 and all(n.isdigit() and int(n) > 0 for n in c) for c in fields):
         parser.error(f"--generate-cases {args.generate_cases!r}: expected SLOTSxNEW[,SLOTSxNEW]")
+    cases = [(int(slots), int(new)) for slots, new in fields]
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if "1" in args.parts:
         result["attention"] = part1()

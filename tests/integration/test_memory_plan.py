@@ -653,20 +653,26 @@ def test_the_cost_model_orders_the_recorded_updates_as_they_ran(shape_1_5b):
     by more than the 5% two hosts differ by. At the former fixed cost of 6,500 tokens a cut,
     8192-token cuts with recompute cost less than 4096 without, and took 15.11 s against
     13.43-13.71."""
-    runs = []
+    cost, seconds = {}, {}
     for record in UPDATES_32X8_H100:
         saved = json.loads((BENCHMARKS / "results" / record).read_text(encoding="utf-8"))
         case = saved["scale"]["cases"]["32x8@2048"]
         cuts = recorded_cuts(case)
         # The same log-prob cut: the costs differ by the update.
         assert cuts.logprob_tokens == 16384, record
-        cost = cuts.cost(recorded_case(shape_1_5b, case), 1)
-        runs.append((record, cost, case["median_stage_s"]["time/actor/training"]))
-    assert len({cost for _, cost, _ in runs}) == 2  # two cuts to order
-    for first, cost_a, seconds_a in runs:
-        for second, cost_b, seconds_b in runs:
-            if seconds_a < seconds_b / 1.05:
-                assert cost_a < cost_b, (first, seconds_a, cost_a, second, seconds_b, cost_b)
+        cost[record] = cuts.cost(recorded_case(shape_1_5b, case), 1)
+        seconds[record] = case["median_stage_s"]["time/actor/training"]
+    assert len(set(cost.values())) == 2  # two cuts to order
+    assert_cheaper_where_faster(cost, seconds, 1.05)
+
+
+def assert_cheaper_where_faster(cost: dict, seconds: dict, margin: float) -> None:
+    """For every two measured runs (same keys in both), the one that ran more than `margin`
+    times faster costs less by the cost model."""
+    for a, seconds_a in seconds.items():
+        for b, seconds_b in seconds.items():
+            if seconds_a < seconds_b / margin:
+                assert cost[a] < cost[b], (a, seconds_a, cost[a], b, seconds_b, cost[b])
 
 
 def actor_step_updates(record: str) -> dict[tuple[int, bool], float]:
@@ -696,10 +702,7 @@ def test_the_cost_model_orders_the_updates_of_todays_code_by_cut(shape_1_5b):
     cost = {
         (cut, recompute): mp.Cuts(cut, 16384, recompute).cost(cfg, 1) for cut, recompute in updates
     }
-    for a, seconds_a in updates.items():
-        for b, seconds_b in updates.items():
-            if seconds_a < seconds_b / 1.02:
-                assert cost[a] < cost[b], (a, seconds_a, cost[a], b, seconds_b, cost[b])
+    assert_cheaper_where_faster(cost, updates, 1.02)
 
 
 def test_the_plan_covers_what_the_run_that_ran_out_of_memory_held(shape_1_5b, monkeypatch):

@@ -160,7 +160,7 @@ def _two_layers_of_the_1_5b_attention_on_the_gpu():
     return Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
 
 
-def test_to_device_leaves_a_cpu_target_or_a_gpu_source_to_a_plain_copy():
+def test_to_device_leaves_a_tensor_bound_for_the_cpu_as_it_is():
     """to_device's CPU branch: a CPU tensor bound for the CPU is the tensor itself (no pinned
     copy is made where no GPU reads it)."""
     rows = torch.arange(12).reshape(3, 4)
