@@ -5,7 +5,7 @@ kernel (engines/decode_attention.py), with FlexAttention and unmasked SDPA for c
 python benchmarks/probe_decode_attention.py [--out FILE]
 
 Part 1: one layer's decode attention, 1.5B shape (12 heads, 2 KV heads, head_dim 128), cache
-of 2304 columns; B slots, read width W, every slot filled to W ("full") or to a uniform length
+of 2304 columns (--cache-len); B slots (--slots), read width W (--widths), every slot filled to W ("full") or to a uniform length
 in [256, W] ("mixed"); microseconds per call (CUDA events, median of 5 x 50 calls) and the
 largest difference from a float32 reference. Part 2: the sampler's generate() at B slots and N
 new tokens after a 256-token prompt (--generate-cases), GRPO groups of 8 answers a prompt,
@@ -51,7 +51,7 @@ def _time(fn, calls: int = 50, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def part1() -> list[dict]:
+def part1(slot_counts: list[int], length: int, widths: list[int]) -> list[dict]:
     from rlinf_twoworker.engines.decode_attention import (
         combine,
         grouped_matmul,
@@ -70,19 +70,19 @@ def part1() -> list[dict]:
         flex = torch.compile(flex_attention, dynamic=False)
     except Exception as error:  # noqa: BLE001
         flex, flex_error = None, repr(error)
-    for b in (256, 64, 16):
+    for b in slot_counts:
         g = torch.Generator(device=dev).manual_seed(0)
-        keys = torch.randn(b, KV, LEN, DIM, device=dev, dtype=torch.bfloat16, generator=g)
-        values = torch.randn(b, KV, LEN, DIM, device=dev, dtype=torch.bfloat16, generator=g)
+        keys = torch.randn(b, KV, length, DIM, device=dev, dtype=torch.bfloat16, generator=g)
+        values = torch.randn(b, KV, length, DIM, device=dev, dtype=torch.bfloat16, generator=g)
         q = torch.randn(b, HEADS, 1, DIM, device=dev, dtype=torch.bfloat16, generator=g)
-        splits = splits_for(b, KV, LEN, dev)
-        for width in (512, 1024, 2048):
+        splits = splits_for(b, KV, length, dev)
+        for width in widths:
             for fill in ("full", "mixed"):
                 if fill == "full":
                     end = torch.full((b,), width, device=dev)
                 else:
                     end = torch.randint(256, width + 1, (b,), device=dev, generator=g)
-                cols = torch.arange(LEN, device=dev)
+                cols = torch.arange(length, device=dev)
                 valid = (cols[None, :] < end[:, None]) & (cols[None, :] >= 3)  # 3 padding cols
                 bias = torch.zeros(b, width, device=dev).masked_fill(~valid[:, :width], -math.inf)
                 bias4 = bias[:, None, None, :]
@@ -92,6 +92,7 @@ def part1() -> list[dict]:
                 )
                 row = {
                     "slots": b,
+                    "cache": length,
                     "width": width,
                     "fill": fill,
                     "splits": splits,
@@ -251,14 +252,26 @@ def main() -> None:
         default="256x1792,16x768",
         help="part 2's (slots)x(new tokens) cases, comma-separated (64x7936: 8x8@8192's rollout)",
     )
+    parser.add_argument("--slots", default="256,64,16", help="part 1's slot counts")
+    parser.add_argument("--cache-len", type=int, default=LEN, help="part 1's cache columns")
+    parser.add_argument("--widths", default="512,1024,2048", help="part 1's read widths")
     args = parser.parse_args()
+    numbers = {name: getattr(args, name).split(",") for name in ("slots", "widths")}
+    for name, values in numbers.items():
+        if not all(v.isdigit() and int(v) > 0 for v in values):
+            parser.error(
+                f"--{name} {getattr(args, name)!r}: expected positive integers, comma-separated"
+            )
+    widths = [int(w) for w in numbers["widths"]]
+    if max(widths) > args.cache_len:
+        parser.error(f"--widths {args.widths!r}: a width passes --cache-len {args.cache_len}")
     fields = [c.split("x") for c in args.generate_cases.split(",")]
     if not all(len(c) == 2 and all(n.isdigit() and int(n) > 0 for n in c) for c in fields):
         parser.error(f"--generate-cases {args.generate_cases!r}: expected SLOTSxNEW[,SLOTSxNEW]")
     cases = [(int(slots), int(new)) for slots, new in fields]
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if "1" in args.parts:
-        result["attention"] = part1()
+        result["attention"] = part1([int(b) for b in numbers["slots"]], args.cache_len, widths)
     if "2" in args.parts:
         result["generate"] = part2(cases, args.repeats)
     if "3" in args.parts:
