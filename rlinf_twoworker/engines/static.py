@@ -40,6 +40,7 @@ attention: a model whose config slides a window shorter than the sequence is ref
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -70,6 +71,8 @@ from rlinf_twoworker.engines.static_kernels import (
     pick_tokens,
 )
 from rlinf_twoworker.errors import TwoWorkerError
+
+logger = logging.getLogger(__name__)
 
 
 def unsupported_reason(model: Any, max_len: int) -> str | None:
@@ -730,7 +733,12 @@ class StaticEngine:
         key = (wanted, max_len)
         if key not in self.samplers:
             slots = self.slots_for(wanted, width, max_len)
-            self.samplers[key] = StaticSampler(self.model, slots, max_len)
+            sampler = self.samplers[key] = StaticSampler(self.model, slots, max_len)
+            ranges = f", {sampler.splits} ranges a slot" if sampler.attention == "split_kv" else ""
+            logger.info(
+                f"{self.where}: a sampler of {slots} slots x {max_len} cache columns, decode "
+                f"attention {sampler.attention}{ranges}"
+            )
         return self.samplers[key]
 
     def slots_for(self, wanted: int, width: int, max_len: int) -> int:

@@ -4,6 +4,7 @@ are refilled as answers end, and the slots are sized to memory (engines/kv_memor
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -206,9 +207,10 @@ def test_more_slots_than_rows_and_answers_of_max_new_tokens(device):
     assert reference.shape == (3, NEW) and sampler.stats.decode_steps == NEW
 
 
-def test_the_engine_sizes_its_slots_by_max_batch_size_and_the_memory_budget():
-    """StaticEngine takes every row: slots = min(rows, max_batch_size, what the budget holds);
-    a budget below one slot stops with an error that says what to do."""
+def test_the_engine_sizes_its_slots_by_max_batch_size_and_the_memory_budget(caplog):
+    """StaticEngine takes every row: slots = min(rows, max_batch_size, what the budget holds),
+    and logs each sampler it builds with its decode attention; a budget below one slot stops
+    with an error that says what to do."""
     model = _tiny_lm("qwen2")
     ids, mask = _prompts()
     greedy = SamplingSettings(do_sample=False)
@@ -219,10 +221,15 @@ def test_the_engine_sizes_its_slots_by_max_batch_size_and_the_memory_budget():
         ({"max_batch_size": 4, "memory_budget_bytes": 3 * per_slot + 1}, 3),
         ({"memory_budget_bytes": 5 * per_slot}, 5),
     ):
-        engine = StaticEngine(model, **limits)
-        assert torch.equal(engine.generate(ids, mask, NEW, [5], 0, greedy), reference)
+        engine = StaticEngine(model, **limits, where="rollout rank 0")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="rlinf_twoworker"):
+            assert torch.equal(engine.generate(ids, mask, NEW, [5], 0, greedy), reference)
+            engine.generate(ids, mask, NEW, [5], 0, greedy)  # the same sampler: no new line
         assert engine.last_run is not None
         assert (engine.last_run.rows, engine.last_run.slots) == (12, slots), limits
+        built = f"rollout rank 0: a sampler of {slots} slots x {WIDTH + NEW} cache columns, "
+        assert caplog.messages == [built + "decode attention grouped"]  # CPU: the product
     engine = StaticEngine(model, memory_budget_bytes=per_slot - 1, where="rollout rank 0")
     with pytest.raises(TwoWorkerError, match=r"\(rollout rank 0\).*runner.seq_length"):
         engine.generate(ids, mask, NEW, [5], 0, greedy)
