@@ -5,9 +5,9 @@ kernel (engines/decode_attention.py), with FlexAttention and unmasked SDPA for c
 python benchmarks/probe_decode_attention.py [--out FILE]
 
 Part 1: one layer's decode attention, 1.5B shape (12 heads, 2 KV heads, head_dim 128), cache
-of 2304 columns (--cache-len); B slots (--slots), read width W (--widths), every slot filled to W ("full") or to a uniform length
-in [256, W] ("mixed"); microseconds per call (CUDA events, median of 5 x 50 calls) and the
-largest difference from a float32 reference. Part 2: the sampler's generate() at B slots and N
+of 2304 columns (--cache-len); B slots (--slots), read width W (--widths), every slot filled
+to W ("full") or to a uniform length in [256, W] ("mixed"); microseconds per call (CUDA
+events, median of 5 x 50 calls) and the largest difference from a float32 reference. Part 2: the sampler's generate() at B slots and N
 new tokens after a 256-token prompt (--generate-cases), GRPO groups of 8 answers a prompt,
 each attention (and the kernel on distinct prompts, which share nothing), seconds and
 generated tokens/s. Part 3: the kernel table of a decode. Part 4: the sampler's generate() as
@@ -242,6 +242,14 @@ def part4(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
     return rows
 
 
+def positive_ints(text: str, sep: str) -> list[int] | None:
+    """`text` split at `sep` as positive integers, or None where a piece is not one."""
+    pieces = text.split(sep)
+    if not all(piece.isdigit() and int(piece) > 0 for piece in pieces):
+        return None
+    return [int(piece) for piece in pieces]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="")
@@ -256,24 +264,21 @@ def main() -> None:
     parser.add_argument("--cache-len", type=int, default=LEN, help="part 1's cache columns")
     parser.add_argument("--widths", default="512,1024,2048", help="part 1's read widths")
     args = parser.parse_args()
-    numbers = {name: getattr(args, name).split(",") for name in ("slots", "widths")}
-    for name, values in numbers.items():
-        if not all(v.isdigit() and int(v) > 0 for v in values):
-            parser.error(
-                f"--{name} {getattr(args, name)!r}: expected positive integers, comma-separated"
-            )
-    widths = [int(w) for w in numbers["widths"]]
+    numbers = {flag: positive_ints(getattr(args, flag), ",") for flag in ("slots", "widths")}
+    for flag, values in numbers.items():
+        if values is None:
+            parser.error(f"--{flag} {getattr(args, flag)!r}: expected positive integers, N[,N...]")
+    slots, widths = numbers["slots"] or [], numbers["widths"] or []
     if max(widths) > args.cache_len:
         parser.error(f"--widths {args.widths!r}: a width passes --cache-len {args.cache_len}")
-    fields = [c.split("x") for c in args.generate_cases.split(",")]
-    if not all(len(c) == 2 and all(n.isdigit() and int(n) > 0 for n in c) for c in fields):
+    cases = [positive_ints(case, "x") for case in args.generate_cases.split(",")]
+    if not all(case is not None and len(case) == 2 for case in cases):
         parser.error(f"--generate-cases {args.generate_cases!r}: expected SLOTSxNEW[,SLOTSxNEW]")
-    cases = [(int(slots), int(new)) for slots, new in fields]
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if "1" in args.parts:
-        result["attention"] = part1([int(b) for b in numbers["slots"]], args.cache_len, widths)
+        result["attention"] = part1(slots, args.cache_len, widths)
     if "2" in args.parts:
-        result["generate"] = part2(cases, args.repeats)
+        result["generate"] = part2([(c[0], c[1]) for c in cases if c], args.repeats)
     if "3" in args.parts:
         result["profile"] = part3()
     if "4" in args.parts:
