@@ -137,14 +137,23 @@ def splits_for(slots: int, kv_heads: int, max_len: int, device: torch.device) ->
     return max(1, min(wanted, math.ceil(max_len / BLOCK_N)))
 
 
-def kernel_pays(slots: int, kv_heads: int, device: torch.device) -> bool:
-    """Whether the split-KV kernel beats the grouped product at this many slots: when the
-    (slot, KV head) pairs alone give two programs per streaming multiprocessor. Measured on
-    an H100, 1.5B shape (benchmarks/results/decode-split_kv-h100.json): at 256 slots (2
-    ranges each) the sampler generated 24% more tokens/s with the kernel on GRPO groups of 8
-    (11% on distinct prompts); at 16 slots (17 ranges each) 4% fewer, the ranges' partial
-    outputs and their reduction costing more than the few columns they save."""
-    return slots * kv_heads >= 2 * _sms(device)
+LONG_RANGE_COLUMNS = 1024
+"""Columns a split-KV range must cover for the kernel to pay with few slots: ranges that long
+amortise their partial outputs and the reduction that combines them."""
+
+
+def kernel_pays(slots: int, kv_heads: int, device: torch.device, max_len: int = 0) -> bool:
+    """Whether the split-KV kernel beats the grouped product for this sampler: when the
+    (slot, KV head) pairs alone give two programs per streaming multiprocessor, or when the
+    cache is long enough that each of splits_for's ranges covers LONG_RANGE_COLUMNS columns.
+    Measured on an H100, 1.5B shape (benchmarks/results/decode-split_kv-h100.json): at 256
+    slots (2 ranges each) the sampler generated 24% more tokens/s with the kernel on GRPO
+    groups of 8 (11% on distinct prompts); at 16 slots (17 ranges each) 4% fewer, the ranges'
+    partial outputs and their reduction costing more than the few columns they save."""
+    if slots * kv_heads >= 2 * _sms(device):
+        return True
+    ranges = splits_for(slots, kv_heads, max_len, device)
+    return max_len >= ranges * LONG_RANGE_COLUMNS
 
 
 def _launcher(grid: tuple[int, int]) -> Any:

@@ -186,7 +186,7 @@ class StaticSampler:
         rounded up to a multiple of it (READ_STEP; max_len: always the whole cache).
         `attention`: one of ATTENTIONS; None: RLINF_DECODE_ATTENTION if set, else the split-KV
         kernel where it runs (a CUDA device with Triton, shapes it supports) and pays (enough
-        slots, decode_attention.kernel_pays), else the grouped product."""
+        slots or a cache long enough, decode_attention.kernel_pays), else the grouped product."""
         reason = unsupported_reason(model, max_len)
         if reason is not None:
             raise TwoWorkerError(f"static sampler: {reason}; use rollout.engine=hf")
@@ -229,8 +229,9 @@ class StaticSampler:
         self._set_kernels(compiled)
 
     def _default_attention(self, device: torch.device) -> str:
-        """The split-KV kernel where it runs and pays (kernel_pays: enough slots), unless
-        RLINF_DECODE_ATTENTION names the other; the grouped product otherwise."""
+        """The split-KV kernel where it runs and pays (kernel_pays: enough slots, or a cache
+        long enough), unless RLINF_DECODE_ATTENTION names the other; the grouped product
+        otherwise."""
         wanted = os.environ.get("RLINF_DECODE_ATTENTION")
         if wanted in ATTENTIONS:
             return wanted
@@ -238,7 +239,11 @@ class StaticSampler:
             device.type == "cuda"  # never the interpreter unasked
             and kernel_refusal(device, self.heads, self.kv_heads, self.head_dim) is None
         )
-        return "split_kv" if runs and kernel_pays(self.batch, self.kv_heads, device) else "grouped"
+        return (
+            "split_kv"
+            if runs and kernel_pays(self.batch, self.kv_heads, device, self.max_len)
+            else "grouped"
+        )
 
     def _make_state(self, dev: torch.device) -> None:
         """Persistent decode state, one row per slot: a captured graph reads and writes exactly
