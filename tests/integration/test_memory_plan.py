@@ -605,6 +605,7 @@ RECORDS = (
     ("scale-tutorial+64x8@2048-h100.json", "1", mparts.LOGIT_BYTES_TRAIN),  # 329edfb
     ("scale-8x8@8192-h100.json", "1", mparts.LOGIT_BYTES_TRAIN),  # 329edfb
     ("scale-32x8@2048-endurance18-h100.json", "1", mparts.LOGIT_BYTES_TRAIN),  # f30deda
+    ("scale-8x8@8192-split_kv-h100.json", "1", mparts.LOGIT_BYTES_TRAIN),  # f708a9b
 )
 
 

@@ -274,7 +274,7 @@ def test_the_kernel_pays_with_many_slots_or_long_ranges(monkeypatch):
     assert pays(132, 2, gpu)  # the pairs alone, whatever the cache
     assert not pays(16, 2, gpu, 1280)  # the tutorial's: 10 ranges of 128 columns
     assert not pays(64, 2, gpu, 2304)  # 5 ranges of 461 columns
-    assert splits_for(64, 2, 8448, gpu) == 5
-    assert pays(64, 2, gpu, 8448)  # 8x8@8192's: 5 ranges of 1,690 columns
+    assert splits_for(64, 2, 8192, gpu) == 5
+    assert pays(64, 2, gpu, 8192)  # 8x8@8192's sampler: 64 slots x 8192 columns, 5 ranges
     assert not pays(64, 2, gpu, 5 * decode_attention.LONG_RANGE_COLUMNS - 1)
     assert pays(64, 2, gpu, 5 * decode_attention.LONG_RANGE_COLUMNS)
