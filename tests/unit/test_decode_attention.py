@@ -272,7 +272,7 @@ def test_the_kernel_pays_with_many_slots_or_long_ranges(monkeypatch):
     pays = decode_attention.kernel_pays
     assert pays(256, 2, gpu, 2304)  # 32x8@2048's rollout: 512 pairs
     assert pays(132, 2, gpu)  # the pairs alone, whatever the cache
-    assert not pays(16, 2, gpu, 1280)  # the tutorial's: 10 ranges of 128 columns
+    assert not pays(16, 2, gpu, 1024)  # the tutorial's sampler: 8 ranges of 128 columns
     assert not pays(64, 2, gpu, 2304)  # 5 ranges of 461 columns
     assert splits_for(64, 2, 8192, gpu) == 5
     assert pays(64, 2, gpu, 8192)  # 8x8@8192's sampler: 64 slots x 8192 columns, 5 ranges
