@@ -4,17 +4,18 @@ kernel (engines/decode_attention.py), with FlexAttention and unmasked SDPA for c
 
 python benchmarks/probe_decode_attention.py [--out FILE]
 
-Part 1: one layer's decode attention, 1.5B shape (12 heads, 2 KV heads, head_dim 128), cache
-of 2304 columns (--cache-len); B slots (--slots), read width W (--widths), every slot filled
-to W ("full") or to a uniform length in [256, W] ("mixed"); microseconds per call (CUDA
-events, median of 5 x 50 calls) and the largest difference from a float32 reference. Part 2: the sampler's generate() at B slots and N
-new tokens after a 256-token prompt (--generate-cases), GRPO groups of 8 answers a prompt,
-each attention (and the kernel on distinct prompts, which share nothing), seconds and
-generated tokens/s. Part 3: the kernel table of a decode. Part 4: the sampler's generate() as
-in part 2 (groups of 8, the attention the sampler picks) with the sampling race compiled (the
-default: its noise drawn inside the compiled pass), compiled with the noise drawn beforehand
-by exponential_ ("given", the race before the draw moved inside) and eager, the three
-interleaved.
+Part 1: one layer's decode attention, 1.5B shape (12 heads, 2 KV heads, head_dim 128), cache of
+2304 columns (--cache-len); B slots (--slots), read width W (--widths), every slot filled to W
+("full") or to a uniform length in [256, W] ("mixed"); microseconds per call (CUDA events,
+median of 5 x 50 calls, launched eagerly or, with --graphs, replayed from a CUDA graph as the
+sampler runs them) and the largest difference from a float32 reference. Part 2: the sampler's
+generate() at B slots and N new tokens after a 256-token prompt (--generate-cases), GRPO groups
+of 8 answers a prompt, each attention (and the kernel on distinct prompts, which share
+nothing), seconds and generated tokens/s. Part 3: the kernel table of a decode. Part 4: the
+sampler's generate() as in part 2 (groups of 8, the attention the sampler picks) with the
+sampling race compiled (the default: its noise drawn inside the compiled pass), compiled with
+the noise drawn beforehand by exponential_ ("given", the race before the draw moved inside) and
+eager, the three interleaved.
 """
 
 from __future__ import annotations
@@ -36,22 +37,44 @@ sys.path.insert(0, str(Path(__file__).parent))
 HEADS, KV, DIM, LEN = 12, 2, 128, 2304
 
 
-def _time(fn, calls: int = 50, repeats: int = 5) -> float:
+def _time(fn, calls: int = 50, repeats: int = 5, graph: bool = False) -> float:
+    """Microseconds a call: the median of `repeats` timings of `calls` calls, CUDA events.
+    `graph`: the calls captured once in a CUDA graph and the graph replayed, as the sampler
+    runs its decode steps (no Python, guard or launch cost between kernels); else launched
+    eagerly, which at few slots can time the host rather than the GPU."""
     fn()
     torch.cuda.synchronize()
+    run = fn
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            for _ in range(calls):
+                fn()
+        run = captured.replay
+        run()
+        torch.cuda.synchronize()
+    launches = 1 if graph else calls  # one replay runs the `calls` captured calls
     times = []
     for _ in range(repeats):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(calls):
-            fn()
+        for _ in range(launches):
+            run()
         stop.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(stop) * 1000 / calls)
     return statistics.median(times)
 
 
-def part1(slot_counts: list[int], length: int, widths: list[int]) -> list[dict]:
+def part1(
+    slot_counts: list[int], length: int, widths: list[int], graph: bool = False
+) -> list[dict]:
     from rlinf_twoworker.engines.decode_attention import (
         combine,
         grouped_matmul,
@@ -122,7 +145,7 @@ def part1(slot_counts: list[int], length: int, widths: list[int]) -> list[dict]:
                 for name, fn in runs.items():
                     try:
                         out = fn()
-                        us = _time(fn)
+                        us = _time(fn, graph=graph)
                         row[f"{name}_us"] = round(us, 1)
                         if name != "sdpa_unmasked_bound":
                             out = out.reshape(b, 1, -1).float()
@@ -263,6 +286,12 @@ def main() -> None:
     parser.add_argument("--slots", default="256,64,16", help="part 1's slot counts")
     parser.add_argument("--cache-len", type=int, default=LEN, help="part 1's cache columns")
     parser.add_argument("--widths", default="512,1024,2048", help="part 1's read widths")
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="part 1 times replays of a CUDA graph of the calls (the sampler's form) instead of "
+        "eager calls",
+    )
     args = parser.parse_args()
     numbers = {flag: positive_ints(getattr(args, flag), ",") for flag in ("slots", "widths")}
     for flag, values in numbers.items():
@@ -276,7 +305,8 @@ def main() -> None:
         parser.error(f"--generate-cases {args.generate_cases!r}: expected SLOTSxNEW[,SLOTSxNEW]")
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if "1" in args.parts:
-        result["attention"] = part1(slots, args.cache_len, widths)
+        result["attention"] = part1(slots, args.cache_len, widths, args.graphs)
+        result["attention_timing"] = "cuda graph replays" if args.graphs else "eager calls"
     if "2" in args.parts:
         result["generate"] = part2([(c[0], c[1]) for c in cases if c], args.repeats)
     if "3" in args.parts:
