@@ -120,10 +120,17 @@ SPLITS_ENV = "RLINF_DECODE_SPLITS"
 head) instead of splits_for's pick (for A/B measurements; the pick is the default)."""
 
 
+def picked_splits(slots: int, kv_heads: int, max_len: int, device: torch.device) -> int:
+    """The sampler's own pick of column ranges per (slot, KV head): enough programs for four
+    per streaming multiprocessor, each range at least BLOCK_N columns."""
+    wanted = max(1, math.ceil(4 * _sms(device) / (slots * kv_heads)))
+    return max(1, min(wanted, math.ceil(max_len / BLOCK_N)))
+
+
 def splits_for(slots: int, kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Column ranges per (slot, KV head): enough programs for four per streaming
-    multiprocessor, each range at least BLOCK_N columns; RLINF_DECODE_SPLITS overrides it.
-    One range needs no reduction: the program writes the output itself."""
+    """Column ranges per (slot, KV head) the kernel runs with: picked_splits, unless
+    RLINF_DECODE_SPLITS overrides it. One range needs no reduction: the program writes the
+    output itself."""
     forced = os.environ.get(SPLITS_ENV, "")
     if forced:
         if not forced.isdigit() or int(forced) < 1:
@@ -133,8 +140,7 @@ def splits_for(slots: int, kv_heads: int, max_len: int, device: torch.device) ->
                 "unset it to let the sampler pick"
             )
         return int(forced)
-    wanted = max(1, math.ceil(4 * _sms(device) / (slots * kv_heads)))
-    return max(1, min(wanted, math.ceil(max_len / BLOCK_N)))
+    return picked_splits(slots, kv_heads, max_len, device)
 
 
 LONG_RANGE_COLUMNS = 1024
@@ -142,18 +148,21 @@ LONG_RANGE_COLUMNS = 1024
 amortise their partial outputs and the reduction that combines them."""
 
 
-def kernel_pays(slots: int, kv_heads: int, device: torch.device, max_len: int = 0) -> bool:
+def kernel_pays(slots: int, kv_heads: int, device: torch.device, max_len: int) -> bool:
     """Whether the split-KV kernel beats the grouped product for this sampler: when the
     (slot, KV head) pairs alone give two programs per streaming multiprocessor, or when the
-    cache is long enough that each of splits_for's ranges covers LONG_RANGE_COLUMNS columns.
-    Measured on an H100, 1.5B shape (benchmarks/results/decode-split_kv-h100.json): at 256
-    slots (2 ranges each) the sampler generated 24% more tokens/s with the kernel on GRPO
-    groups of 8 (11% on distinct prompts); at 16 slots (17 ranges each) 4% fewer, the ranges'
-    partial outputs and their reduction costing more than the few columns they save."""
+    cache is long enough that each of picked_splits' ranges covers LONG_RANGE_COLUMNS columns
+    (the sampler's own pick: RLINF_DECODE_SPLITS, an A/B of the range count, does not change
+    which attention runs). Measured on an H100, 1.5B shape: at 256 slots (2 ranges each) the
+    sampler generated 24% more tokens/s with the kernel on GRPO groups of 8 (11% on distinct
+    prompts); at 16 slots (17 ranges each) 4% fewer, the ranges' partial outputs and their
+    reduction costing more than the few columns they save
+    (benchmarks/results/decode-split_kv-h100.json); at 64 slots x 8192 columns (5 ranges of
+    over 1,600 columns) the rollout of 8 x 8 answers took 17% less time
+    (benchmarks/results/scale-8x8@8192-split_kv-h100.json against -grouped-h100.json)."""
     if slots * kv_heads >= 2 * _sms(device):
         return True
-    ranges = splits_for(slots, kv_heads, max_len, device)
-    return max_len >= ranges * LONG_RANGE_COLUMNS
+    return max_len >= picked_splits(slots, kv_heads, max_len, device) * LONG_RANGE_COLUMNS
 
 
 def _launcher(grid: tuple[int, int]) -> Any:

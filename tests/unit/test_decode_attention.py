@@ -264,17 +264,24 @@ def test_the_split_count_is_the_sampler_pick_unless_the_environment_names_one(mo
 @pytest.mark.skipif(INTERPRETED, reason="needs no kernel: runs once, in the main process")
 def test_the_kernel_pays_with_many_slots_or_long_ranges(monkeypatch):
     """kernel_pays, on an H100's 132 streaming multiprocessors: split-KV where the (slot, KV
-    head) pairs fill two programs a multiprocessor, or where each of splits_for's ranges is
-    at least LONG_RANGE_COLUMNS long; the grouped product for few slots on short caches."""
+    head) pairs fill two programs a multiprocessor, or where each of the sampler's own ranges
+    is at least LONG_RANGE_COLUMNS long; the grouped product for few slots on short caches,
+    whatever RLINF_DECODE_SPLITS says."""
     monkeypatch.setattr(decode_attention, "_sms", lambda device: 132)
     monkeypatch.delenv(decode_attention.SPLITS_ENV, raising=False)
     gpu = torch.device("cuda")
     pays = decode_attention.kernel_pays
     assert pays(256, 2, gpu, 2304)  # 32x8@2048's rollout: 512 pairs
-    assert pays(132, 2, gpu)  # the pairs alone, whatever the cache
+    assert pays(132, 2, gpu, 0)  # the pairs alone, whatever the cache
     assert not pays(16, 2, gpu, 1024)  # the tutorial's sampler: 8 ranges of 128 columns
     assert not pays(64, 2, gpu, 2304)  # 5 ranges of 461 columns
     assert splits_for(64, 2, 8192, gpu) == 5
     assert pays(64, 2, gpu, 8192)  # 8x8@8192's sampler: 64 slots x 8192 columns, 5 ranges
     assert not pays(64, 2, gpu, 5 * decode_attention.LONG_RANGE_COLUMNS - 1)
     assert pays(64, 2, gpu, 5 * decode_attention.LONG_RANGE_COLUMNS)
+    # RLINF_DECODE_SPLITS sets the ranges the kernel runs with, not which attention runs:
+    # one forced range of 2304 columns leaves 64 slots x 2304 with the grouped product, and a
+    # value it refuses is refused by the kernel only
+    for forced in ("1", "two"):
+        monkeypatch.setenv(decode_attention.SPLITS_ENV, forced)
+        assert not pays(64, 2, gpu, 2304)
